@@ -1,0 +1,493 @@
+"""Speculative decoding with an adaptive draft length, as a `generate` strategy for transformers.
+
+One loop serves every stopping policy (`policies.py` beside this file): per decode step it
+
+1. **proposes**: the draft extends the sequence token by token until the policy says stop;
+2. **verifies**: the target scores `[last token, d_1..d_k]` in one forward, giving k + 1
+   next-token distributions;
+3. **accepts**: greedy keeps the longest prefix on which the target's argmax agrees and adds the
+   target's own token; sampling uses rejection sampling (accept d_i with min(1, p/q), else resample
+   from norm(max(0, p - q)), or a bonus token from p_{k+1}), so the output distribution is exactly
+   the target's;
+4. **updates**: the new tokens are emitted one by one through the stopping criteria (EOS, max
+   length, stop strings, ...) and the streamer, and both KV caches are cropped to the accepted prefix.
+
+This folder is published as is as a `custom_generate` repo: the two files import only torch and
+transformers. `generate()` below is the entry point transformers calls for such a repo, and what
+`modeling_pacer.enable_pacer(model)` binds as `model.generate`.
+"""
+
+import copy
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+from transformers import DynamicCache, GenerationMixin, StoppingCriteriaList, StopStringCriteria
+from transformers.generation.utils import GenerateDecoderOnlyOutput, _speculative_sampling
+
+from .policies import DraftView, StoppingPolicy, make_policy
+
+
+# --------------------------------------------------------------------------------------------------
+# statistics, returned to the caller (never printed)
+# --------------------------------------------------------------------------------------------------
+@dataclass
+class DecodeStep:
+    """One draft-verify round.
+
+    Attributes:
+        drafted: draft tokens sent to the target (0 = a plain target step).
+        accepted: how many of them the target accepted.
+        emitted: tokens appended to the output: `accepted + 1` (the target's correction or bonus
+            token), fewer only on the last step when a stopping criterion cut the round short.
+        stop_reason: why drafting stopped: the policy's reason (`"head"`, `"confidence"`, ...),
+            `"max_draft_length"`, `"budget"` (max_length reached), or `"eos"` (the draft proposed EOS).
+    """
+
+    drafted: int
+    accepted: int
+    emitted: int
+    stop_reason: str
+
+
+@dataclass
+class PacerStats:
+    """Counts and timings of one `generate` call. Times are wall-clock seconds."""
+
+    policy: str = ""
+    steps: list[DecodeStep] = field(default_factory=list)
+    draft_forwards: int = 0
+    head_forwards: int = 0
+    target_forwards: int = 0
+    draft_time: float = 0.0
+    head_time: float = 0.0
+    target_time: float = 0.0
+    total_time: float = 0.0
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(s.emitted for s in self.steps)
+
+    @property
+    def mean_accepted(self) -> float:
+        """tau: tokens gained per target forward (accepted drafts + the target's own token)."""
+        return self.generated_tokens / max(1, len(self.steps))
+
+    @property
+    def acceptance_rate(self) -> float:
+        drafted = sum(s.drafted for s in self.steps)
+        return sum(s.accepted for s in self.steps) / drafted if drafted else 0.0
+
+    def draft_length_histogram(self) -> dict[int, int]:
+        hist: dict[int, int] = {}
+        for s in self.steps:
+            hist[s.drafted] = hist.get(s.drafted, 0) + 1
+        return dict(sorted(hist.items()))
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out.update(
+            generated_tokens=self.generated_tokens,
+            mean_accepted=self.mean_accepted,
+            acceptance_rate=self.acceptance_rate,
+            draft_length_histogram=self.draft_length_histogram(),
+        )
+        return out
+
+
+@dataclass
+class PacerGenerateOutput(GenerateDecoderOnlyOutput):
+    """`GenerateDecoderOnlyOutput` plus `pacer_stats` (a [`PacerStats`])."""
+
+    pacer_stats: PacerStats | None = None
+
+
+class _Timer:
+    """Adds the elapsed time of a block to `stats.<name>_time` (synchronising CUDA first)."""
+
+    def __init__(self, stats: PacerStats, name: str, device: torch.device):
+        self.stats, self.name, self.cuda = stats, name, device.type == "cuda"
+
+    def __enter__(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            torch.cuda.synchronize()
+        attr = f"{self.name}_time"
+        setattr(self.stats, attr, getattr(self.stats, attr) + time.perf_counter() - self.start)
+
+
+# --------------------------------------------------------------------------------------------------
+# step functions
+# --------------------------------------------------------------------------------------------------
+def _forward(model, tokens: torch.LongTensor, cache, num_logits: int, hidden: bool = False):
+    """Feed `tokens` `(1, n)` after what `cache` holds.
+
+    Returns `(logits (1, num_logits, vocab) float32, last hidden states (1, num_logits, hidden) or None)`.
+    """
+    kwargs = {"output_hidden_states": True} if hidden else {}
+    if getattr(model, "_supports_logits_to_keep", lambda: False)():
+        kwargs["logits_to_keep"] = num_logits
+    out = model(input_ids=tokens.to(model.device), past_key_values=cache, use_cache=True, **kwargs)
+    logits = out.logits[:, -num_logits:, :].float()
+    states = out.hidden_states[-1][:, -num_logits:, :] if hidden else None
+    return logits, states
+
+
+def _crop_to(cache, length: int) -> None:
+    """Keep the first `length` positions of `cache` (transformers 5 `crop` takes a negative count to drop)."""
+    excess = cache.get_seq_length() - length
+    if excess > 0:
+        cache.crop(-excess)
+
+
+def _process(logits_processor, prefix: torch.LongTensor, logits: torch.Tensor) -> torch.Tensor:
+    """Apply the logits processors to each row of `logits` `(1, n, vocab)`; row i continues
+    `prefix` extended by the first i tokens, exactly as plain decoding would see it.
+
+    `prefix` is `(1, L + n - 1)`: the sequence followed by the n - 1 draft tokens.
+    """
+    n = logits.shape[1]
+    start = prefix.shape[1] - (n - 1)
+    rows = [logits_processor(prefix[:, : start + i], logits[:, i, :]) for i in range(n)]
+    return torch.stack(rows, dim=1)
+
+
+def _pick(scores: torch.Tensor, do_sample: bool) -> torch.LongTensor:
+    """`(1, vocab)` processed scores -> `(1, 1)` next token."""
+    if do_sample:
+        return torch.multinomial(scores.softmax(-1), num_samples=1)
+    return scores.argmax(-1, keepdim=True)
+
+
+@dataclass
+class Draft:
+    """The proposal of one step: `tokens` `(1, k)`, processed draft `scores` `(1, k, vocab)`, and
+    what the policy saw of it (`None` when nothing was drafted)."""
+
+    tokens: torch.LongTensor
+    scores: torch.Tensor
+    stop_reason: str
+    view: DraftView | None = None
+
+
+def propose(
+    draft_model,
+    draft_cache,
+    head,
+    policy: StoppingPolicy,
+    ids: torch.LongTensor,
+    budget: int,
+    logits_processor,
+    do_sample: bool,
+    eos_token_ids: set[int],
+    stats: PacerStats,
+) -> Draft:
+    """Draft up to `budget` tokens after `ids` `(1, L)`, asking `policy` after each one.
+
+    The draft cache may lag behind `ids` (after a fully accepted step it misses the last draft
+    token); the first forward feeds everything it has not seen yet.
+    """
+    device = ids.device
+    step_cap = policy.begin_step()
+    cap = min(step_cap, budget)
+    cap_reason = "budget" if budget < step_cap else "max_draft_length"
+    if cap <= 0:
+        return Draft(ids[:, :0], torch.empty(1, 0, 0, device=device), cap_reason)
+
+    tokens: list[torch.Tensor] = []
+    scores: list[torch.Tensor] = []
+    probs: list[torch.Tensor] = []
+    entropies: list[torch.Tensor] = []
+    states: list[torch.Tensor] = []
+    head_cache: dict[int, torch.Tensor] = {}
+
+    def acceptance() -> torch.Tensor:
+        k = len(tokens)
+        if k not in head_cache:
+            with _Timer(stats, "head", device):
+                hidden = torch.cat(states, dim=1).to(head.device)
+                head_cache[k] = head.acceptance_probabilities(hidden)[0].to(device)
+            stats.head_forwards += 1
+        return head_cache[k]
+
+    seq = ids
+    feed = ids[:, draft_cache.get_seq_length() :]
+    while True:
+        with _Timer(stats, "draft", device):
+            logits, hidden = _forward(draft_model, feed, draft_cache, 1, hidden=policy.needs_head)
+        stats.draft_forwards += 1
+        score = logits_processor(seq, logits[:, 0, :].to(device))
+        token = _pick(score, do_sample)
+        dist = score.softmax(-1)
+        tokens.append(token)
+        scores.append(score)
+        probs.append(dist[0, token[0, 0]])
+        entropies.append(-(dist * torch.log(dist.clamp_min(1e-30))).sum())
+        if hidden is not None:
+            states.append(hidden)
+        seq = torch.cat([seq, token], dim=1)
+
+        view = DraftView(torch.stack(probs), torch.stack(entropies), acceptance if policy.needs_head else None)
+        if int(token) in eos_token_ids:
+            reason = "eos"
+            break
+        reason = policy.stop_reason(view)
+        if reason is not None:
+            break
+        if len(tokens) >= cap:
+            reason = cap_reason
+            break
+        feed = token
+
+    return Draft(torch.cat(tokens, dim=1), torch.stack([s[0] for s in scores], dim=0)[None], reason, view)
+
+
+def verify(model, target_cache, ids: torch.LongTensor, draft: Draft, logits_processor, stats: PacerStats):
+    """One target forward over `[ids not yet in the cache] + draft tokens`.
+
+    Returns `(raw logits, processed scores)`, both `(1, k + 1, vocab)`: row i is the target's
+    next-token distribution after `ids + d_1..d_i`.
+    """
+    k = draft.tokens.shape[1]
+    feed = torch.cat([ids[:, target_cache.get_seq_length() :], draft.tokens], dim=1)
+    with _Timer(stats, "target", ids.device):
+        logits, _ = _forward(model, feed, target_cache, k + 1)
+    stats.target_forwards += 1
+    logits = logits.to(ids.device)
+    prefix = torch.cat([ids, draft.tokens], dim=1)
+    return logits, _process(logits_processor, prefix, logits)
+
+
+def accept(ids: torch.LongTensor, draft: Draft, target_scores: torch.Tensor, do_sample: bool):
+    """Which draft tokens survive, plus one token from the target.
+
+    Returns `(new_tokens (1, n + 1), n)` with n the number of accepted draft tokens.
+    """
+    k = draft.tokens.shape[1]
+    if k == 0:
+        return _pick(target_scores[:, 0, :], do_sample), 0
+    if do_sample:
+        # transformers' Algorithm 1 of Leviathan et al.: the output distribution is exactly the target's
+        new_tokens, n = _speculative_sampling(torch.cat([ids, draft.tokens], dim=1), draft.scores, k, target_scores)
+        return new_tokens, int(n)
+    target_tokens = target_scores.argmax(-1)  # (1, k + 1)
+    n = int((draft.tokens == target_tokens[:, :k]).int().cumprod(dim=1).sum())
+    return torch.cat([draft.tokens[:, :n], target_tokens[:, n : n + 1]], dim=1), n
+
+
+# --------------------------------------------------------------------------------------------------
+# the loop
+# --------------------------------------------------------------------------------------------------
+_ALLOWED_MODEL_KWARGS = {"attention_mask", "position_ids", "past_key_values", "use_cache", "logits_to_keep", "cache_position"}
+
+
+def _check_inputs(model, draft_model, head, policy, input_ids, generation_config, model_kwargs):
+    if draft_model is None:
+        raise ValueError("PACER decoding needs a draft model: pass `assistant_model=draft`.")
+    if model.config.is_encoder_decoder or draft_model.config.is_encoder_decoder:
+        raise ValueError("PACER decoding supports decoder-only models only.")
+    if generation_config.num_beams > 1 or generation_config.num_return_sequences > 1:
+        raise ValueError("PACER decoding does not support beam search or num_return_sequences > 1.")
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"PACER decoding supports batch size 1 only, got a batch of {input_ids.shape[0]}.")
+    if generation_config.output_attentions or generation_config.output_hidden_states:
+        raise ValueError("PACER decoding does not return attentions or hidden states.")
+    target_vocab = model.get_output_embeddings().weight.shape[0]
+    draft_vocab = draft_model.get_output_embeddings().weight.shape[0]
+    if target_vocab != draft_vocab:
+        raise ValueError(
+            f"The draft's vocabulary ({draft_vocab} tokens) differs from the target's ({target_vocab}): "
+            "PACER needs a draft that shares the target's tokenizer."
+        )
+    if policy.needs_head:
+        if head is None:
+            raise ValueError(f"The {policy.name!r} stopping policy needs a head: pass `pacer_head=...`.")
+        if head.config.draft_hidden_size != draft_model.config.get_text_config().hidden_size:
+            raise ValueError(
+                f"The PACER head reads hidden states of size {head.config.draft_hidden_size}, but the draft's "
+                f"hidden size is {draft_model.config.get_text_config().hidden_size}: use a head trained for this draft."
+            )
+        if policy.max_draft_length > head.config.max_draft_length:
+            raise ValueError(
+                f"The policy's max_draft_length ({policy.max_draft_length}) exceeds the head's "
+                f"max_draft_length ({head.config.max_draft_length})."
+            )
+    unknown = {k for k, v in model_kwargs.items() if v is not None} - _ALLOWED_MODEL_KWARGS
+    if unknown:
+        raise ValueError(f"PACER decoding does not support these generate arguments: {sorted(unknown)}.")
+    mask = model_kwargs.get("attention_mask")
+    if mask is not None and not bool((mask == 1).all()):
+        raise ValueError("PACER decoding does not support padded inputs (attention_mask with zeros).")
+    cache = model_kwargs.get("past_key_values")
+    if cache is not None and (cache.get_seq_length() > 0 or not hasattr(cache, "crop")):
+        raise ValueError("PACER decoding needs an empty, croppable cache (a DynamicCache); got a prefilled or static one.")
+
+
+def pacer_decoding(
+    model,
+    input_ids: torch.LongTensor,
+    logits_processor,
+    stopping_criteria,
+    generation_config,
+    draft_model=None,
+    pacer_head=None,
+    stopping_policy: "str | StoppingPolicy | None" = None,
+    pacer_streamer=None,
+    **model_kwargs,
+):
+    """The decoding loop, in the shape of transformers' `custom_generate` callables: `generate`
+    prepares the generation config, logits processors and stopping criteria, then calls this.
+
+    `input_ids` `(1, L)`. Returns `(1, L + new)` token ids, or a [`PacerGenerateOutput`] with
+    `return_dict_in_generate=True`.
+    """
+    head_config = getattr(pacer_head, "config", None)
+    policy = make_policy(stopping_policy, head_config)
+    _check_inputs(model, draft_model, pacer_head, policy, input_ids, generation_config, model_kwargs)
+    policy.reset()
+
+    stats = PacerStats(policy=repr(policy))
+    start = time.perf_counter()
+    do_sample = generation_config.do_sample
+    eos = generation_config._eos_token_tensor
+    eos_token_ids = set(eos.flatten().tolist()) if eos is not None else set()
+    want_scores = generation_config.return_dict_in_generate and generation_config.output_scores
+    want_logits = generation_config.return_dict_in_generate and generation_config.output_logits
+    all_scores, all_logits = [], []
+
+    target_cache = model_kwargs.get("past_key_values") or DynamicCache(config=model.config)
+    draft_cache = DynamicCache(config=draft_model.config)
+    if pacer_streamer is not None:
+        pacer_streamer.put(input_ids.cpu())
+
+    # prefill: the target reads the prompt but its last token, so every step (verification, or a
+    # plain step) feeds `[last token, drafts...]` and gets one distribution per fed token
+    if input_ids.shape[1] > 1:
+        with _Timer(stats, "target", input_ids.device):
+            _forward(model, input_ids[:, :-1], target_cache, 1)
+        stats.target_forwards += 1
+
+    ids = input_ids
+    finished = False
+    while not finished:
+        # one verification yields one more token than was drafted, so never draft past max_length - 1
+        budget = generation_config.max_length - ids.shape[1] - 1
+        draft = propose(draft_model, draft_cache, pacer_head, policy, ids, budget, logits_processor,
+                        do_sample, eos_token_ids, stats)
+        raw_logits, target_scores = verify(model, target_cache, ids, draft, logits_processor, stats)
+        new_tokens, n = accept(ids, draft, target_scores, do_sample)
+        k = draft.tokens.shape[1]
+        policy.update(draft.view, n)
+
+        emitted = 0
+        for i in range(new_tokens.shape[1]):
+            ids = torch.cat([ids, new_tokens[:, i : i + 1]], dim=1)
+            emitted += 1
+            if want_scores:
+                all_scores.append(target_scores[:, i, :])
+            if want_logits:
+                all_logits.append(raw_logits[:, i, :])
+            if bool(stopping_criteria(ids, target_scores[:, i, :]).any()):
+                finished = True
+                break
+        stats.steps.append(DecodeStep(drafted=k, accepted=n, emitted=emitted, stop_reason=draft.stop_reason))
+        if pacer_streamer is not None:
+            pacer_streamer.put(ids[0, -emitted:].cpu())
+
+        # roll the caches back to the accepted prefix: the target holds all of `ids` but the last token,
+        # the draft whatever of that it has actually seen (it never fed its own last draft token)
+        _crop_to(target_cache, ids.shape[1] - 1)
+        _crop_to(draft_cache, ids.shape[1] - 1)
+
+    if pacer_streamer is not None:
+        pacer_streamer.end()
+    stats.total_time = time.perf_counter() - start
+
+    if not generation_config.return_dict_in_generate:
+        return ids
+    return PacerGenerateOutput(
+        sequences=ids,
+        scores=tuple(all_scores) if want_scores else None,
+        logits=tuple(all_logits) if want_logits else None,
+        past_key_values=target_cache if generation_config.use_cache else None,
+        pacer_stats=stats,
+    )
+
+
+def _stop_strings_as_criteria(model, generation_config, stopping_criteria, kwargs):
+    """transformers gives a `custom_generate` callable no tokenizer, so it cannot build the stop-string
+    criterion itself: build it here and hand it over as an ordinary stopping criterion."""
+    config = generation_config if generation_config is not None else model.generation_config
+    stop_strings = kwargs.pop("stop_strings", None) or config.stop_strings
+    if not stop_strings:
+        return generation_config, stopping_criteria
+    tokenizer = kwargs.pop("tokenizer", None)
+    if tokenizer is None:
+        raise ValueError("`stop_strings` needs the tokenizer: pass `tokenizer=...` to `generate`.")
+    if config.stop_strings:
+        config = copy.deepcopy(config)
+        config.stop_strings = None
+        generation_config = config
+    criteria = StoppingCriteriaList(stopping_criteria or [])
+    criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
+    return generation_config, criteria
+
+
+def generate(
+    model,
+    inputs: torch.Tensor | None = None,
+    generation_config=None,
+    logits_processor=None,
+    stopping_criteria=None,
+    prefix_allowed_tokens_fn=None,
+    synced_gpus=None,
+    assistant_model=None,
+    streamer=None,
+    *,
+    pacer_head=None,
+    stopping_policy: "str | StoppingPolicy | None" = None,
+    **kwargs,
+):
+    """`model.generate` with PACER: `generate(model, ids, assistant_model=draft, pacer_head=head, ...)`.
+
+    The arguments are `GenerationMixin.generate`'s, plus `pacer_head` (a `PacerHead`) and
+    `stopping_policy` (a [`StoppingPolicy`] or a name from `POLICIES`; default PACER with the head's
+    config). With neither of the two this is plain `GenerationMixin.generate` (transformers' own
+    assisted generation when `assistant_model` is given). Otherwise transformers prepares everything
+    as usual and runs [`pacer_decoding`]; `assistant_model` and `streamer` travel under other names
+    because transformers passes neither to a `custom_generate` callable.
+    """
+    plain = dict(
+        generation_config=generation_config,
+        logits_processor=logits_processor,
+        prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
+        synced_gpus=synced_gpus,
+    )
+    kwargs.pop("custom_generate", None)  # set when transformers loaded this file as a custom_generate repo
+    kwargs.pop("trust_remote_code", None)
+    if pacer_head is None and stopping_policy is None:
+        return GenerationMixin.generate(
+            model, inputs, stopping_criteria=stopping_criteria, assistant_model=assistant_model, streamer=streamer,
+            **plain, **kwargs,
+        )
+    if assistant_model is None:
+        raise ValueError("PACER decoding needs a draft model: pass `assistant_model=draft`.")
+    plain["generation_config"], stopping_criteria = _stop_strings_as_criteria(
+        model, generation_config, stopping_criteria, kwargs
+    )
+    return GenerationMixin.generate(
+        model,
+        inputs,
+        stopping_criteria=stopping_criteria,
+        custom_generate=pacer_decoding,
+        draft_model=assistant_model,
+        pacer_head=pacer_head,
+        stopping_policy=stopping_policy,
+        pacer_streamer=streamer,
+        **plain,
+        **kwargs,
+    )

@@ -1,0 +1,260 @@
+"""Stopping policies: when to stop drafting and send the draft to the target.
+
+Every policy plugs into the same decoding loop (`generate.py` beside this file), so they are
+compared on equal terms: same models, same caches, same verification. The loop calls, per decode
+step::
+
+    cap = policy.begin_step()              # most tokens this step may draft (0 = plain target step)
+    after each drafted token:  reason = policy.stop_reason(draft)   # None = keep drafting
+    after verification:        policy.update(draft, num_accepted)     # draft is None if k = 0
+
+This file is published with `generate.py` as a `custom_generate` folder: it imports only torch.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass
+class DraftView:
+    """What a policy may read about the draft of the current step, after each drafted token.
+
+    Attributes:
+        token_probs: `(k,)` draft probability of each drafted token, after logits processing.
+        entropies: `(k,)` entropy (nats) of the draft distribution that produced each token.
+        acceptance: callable returning `(k,)` head-predicted P(accept) for the whole draft so far; the
+            loop owns the head, counts and times its calls, and caches the answer per length.
+    """
+
+    token_probs: torch.Tensor
+    entropies: torch.Tensor
+    acceptance: Callable[[], torch.Tensor] | None = None
+
+    @property
+    def length(self) -> int:
+        return int(self.token_probs.shape[0])
+
+
+def _check_range(name: str, value: float, low: float, high: float = math.inf) -> None:
+    if not low <= value <= high:
+        span = f"[{low}, {high}]" if high != math.inf else f">= {low}"
+        raise ValueError(f"{name} must be {span}, got {value}.")
+
+
+class StoppingPolicy:
+    """Base class. Subclasses override `stop_reason` and, if they adapt, `begin_step`/`update`."""
+
+    name = "policy"
+    needs_head = False  # True: the loop must be given a `pacer_head` and passes `DraftView.acceptance`
+
+    def __init__(self, max_draft_length: int):
+        if not isinstance(max_draft_length, int) or max_draft_length < 0:
+            raise ValueError(f"max_draft_length must be an integer >= 0, got {max_draft_length!r}.")
+        self.max_draft_length = max_draft_length
+
+    def reset(self) -> None:
+        """Called once at the start of each `generate` call."""
+
+    def begin_step(self) -> int:
+        return self.max_draft_length
+
+    def stop_reason(self, draft: DraftView) -> str | None:
+        return None
+
+    def update(self, draft: DraftView | None, num_accepted: int) -> None:
+        """Called after verification with the step's draft (`None` if nothing was drafted) and how many
+        of its tokens the target accepted."""
+
+    def __repr__(self) -> str:
+        params = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
+        return f"{type(self).__name__}({params})"
+
+
+class FixedLength(StoppingPolicy):
+    """Vanilla speculative decoding: always draft `gamma` tokens."""
+
+    name = "fixed"
+
+    def __init__(self, gamma: int = 2):
+        super().__init__(max_draft_length=gamma)
+        self.gamma = gamma
+
+
+class Heuristic(StoppingPolicy):
+    """transformers' `num_assistant_tokens_schedule="heuristic"`: gamma += 2 if every drafted token
+    was accepted, else gamma -= 1 (never below 1)."""
+
+    name = "heuristic"
+
+    def __init__(self, initial_gamma: int = 20, max_draft_length: int = 64):
+        super().__init__(max_draft_length=max_draft_length)
+        _check_range("initial_gamma", initial_gamma, 1)
+        self.initial_gamma = initial_gamma
+        self._gamma = initial_gamma
+
+    def reset(self) -> None:
+        self._gamma = self.initial_gamma
+
+    def begin_step(self) -> int:
+        return min(self._gamma, self.max_draft_length)
+
+    def update(self, draft: DraftView | None, num_accepted: int) -> None:
+        if draft is None:
+            return
+        self._gamma = self._gamma + 2 if num_accepted == draft.length else max(1, self._gamma - 1)
+
+
+class Confidence(StoppingPolicy):
+    """transformers' `assistant_confidence_threshold`: stop once the draft's probability of its own token
+    falls below the threshold. With `adaptive=True` the threshold is re-tuned after every step as
+    transformers does: on the ROC of (draft probability, accepted) pairs seen so far, take the threshold
+    minimising FPR + 3 * FNR."""
+
+    name = "confidence"
+
+    def __init__(self, threshold: float = 0.4, adaptive: bool = True, max_draft_length: int = 20):
+        super().__init__(max_draft_length=max_draft_length)
+        _check_range("Confidence threshold", threshold, 0.0, 1.0)
+        self.threshold = threshold
+        self.adaptive = adaptive
+        self._current = threshold
+        self._probs: list[float] = []
+        self._matches: list[int] = []
+
+    def reset(self) -> None:
+        self._current = self.threshold
+        self._probs, self._matches = [], []
+
+    def stop_reason(self, draft: DraftView) -> str | None:
+        return "confidence" if float(draft.token_probs[-1]) < self._current else None
+
+    def update(self, draft: DraftView | None, num_accepted: int) -> None:
+        if not self.adaptive or draft is None:
+            return
+        # as transformers: the accepted tokens are positives, the first rejected one a negative,
+        # tokens after it say nothing about the threshold
+        seen = min(num_accepted + 1, draft.length)
+        self._probs.extend(draft.token_probs[:seen].tolist())
+        self._matches.extend([1] * num_accepted + [0] * (seen - num_accepted))
+        if len(self._probs) > 5 and {0, 1}.issubset(self._matches):
+            self._current = _min_cost_threshold(torch.tensor(self._probs), torch.tensor(self._matches))
+
+
+def _min_cost_threshold(scores: torch.Tensor, labels: torch.Tensor) -> float:
+    """The ROC threshold minimising FPR + 3 * FNR (positives predicted as `score >= threshold`)."""
+    thresholds = torch.unique(scores)  # ascending
+    predicted = scores[None, :] >= thresholds[:, None]  # (num_thresholds, n)
+    positives, negatives = labels.bool(), ~labels.bool()
+    tpr = (predicted & positives).sum(1) / positives.sum()
+    fpr = (predicted & negatives).sum(1) / negatives.sum()
+    costs = fpr + 3 * (1 - tpr)
+    return float(thresholds[torch.argmin(costs)])
+
+
+class SVIP(StoppingPolicy):
+    """SVIP (training-free): stop once sqrt(0.15 * entropy of the draft distribution) exceeds the
+    threshold; a flat draft distribution means the draft is guessing."""
+
+    name = "svip"
+
+    def __init__(self, threshold: float = 0.4, max_draft_length: int = 20):
+        super().__init__(max_draft_length=max_draft_length)
+        _check_range("SVIP threshold", threshold, 0.0)
+        self.threshold = threshold
+
+    def stop_reason(self, draft: DraftView) -> str | None:
+        return "entropy" if math.sqrt(0.15 * float(draft.entropies[-1])) > self.threshold else None
+
+
+class SpecDecPP(StoppingPolicy):
+    """SpecDec++: stop once the predicted probability that at least one drafted token is rejected,
+    1 - prod(P(accept)), exceeds the threshold; the prediction comes from a trained head."""
+
+    name = "specdec++"
+    needs_head = True
+
+    def __init__(self, threshold: float = 0.7, max_draft_length: int = 16):
+        super().__init__(max_draft_length=max_draft_length)
+        _check_range("SpecDec++ threshold", threshold, 0.0, 1.0)
+        self.threshold = threshold
+
+    def stop_reason(self, draft: DraftView) -> str | None:
+        # SpecDec++'s head predicts per-token conditionals P(accept i | 0..i-1 accepted), whose
+        # product is P(whole draft accepted). A PACER head is trained on cumulative labels (token i
+        # is 1 only if it and every token before it are accepted), so its last prediction already
+        # is that product: the rule becomes 1 - p[-1] > threshold.
+        p_all_accepted = float(draft.acceptance()[-1])
+        return "cumulative" if 1.0 - p_all_accepted > self.threshold else None
+
+
+class Pacer(StoppingPolicy):
+    """PACER: draft in blocks of `block_size`; after each block, stop if the head's mean predicted
+    acceptance over that block is below the threshold t; else t *= growth and draft another block.
+
+    The growth factor makes the rule stricter as the draft grows: a rejection at position i wastes
+    every token drafted after it, so late blocks must be more certain to be worth drafting.
+    """
+
+    name = "pacer"
+    needs_head = True
+
+    def __init__(self, block_size: int = 3, threshold: float = 0.5, growth: float = 1.1, max_draft_length: int = 16):
+        super().__init__(max_draft_length=max_draft_length)
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"PACER block_size must be an integer >= 1, got {block_size!r}.")
+        _check_range("PACER threshold", threshold, 0.0, 1.0)
+        _check_range("PACER growth", growth, 1.0)
+        self.block_size = block_size
+        self.threshold = threshold
+        self.growth = growth
+        self._t = threshold
+
+    @classmethod
+    def from_config(cls, config, **overrides) -> "Pacer":
+        """Defaults from a `PacerConfig` (a trained head stores its tuned rule there)."""
+        params = dict(
+            block_size=config.block_size,
+            threshold=config.threshold,
+            growth=config.growth,
+            max_draft_length=config.max_draft_length,
+        )
+        params.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**params)
+
+    def begin_step(self) -> int:
+        self._t = self.threshold
+        return self.max_draft_length
+
+    def stop_reason(self, draft: DraftView) -> str | None:
+        if draft.length % self.block_size != 0:
+            return None
+        p = draft.acceptance()
+        block_mean = float(p[-self.block_size :].mean())
+        if block_mean < self._t:
+            return "head"
+        self._t *= self.growth
+        return None
+
+
+POLICIES: dict[str, type[StoppingPolicy]] = {
+    cls.name: cls for cls in (FixedLength, Heuristic, Confidence, SVIP, SpecDecPP, Pacer)
+}
+
+
+def make_policy(policy: "str | StoppingPolicy | None", head_config=None) -> StoppingPolicy:
+    """A policy instance from an instance, a name in `POLICIES`, or `None` (PACER with the head's defaults)."""
+    # duck-typed: a copy of this module loaded as remote code defines its own (equal) classes
+    if all(hasattr(policy, attr) for attr in ("begin_step", "stop_reason", "update", "reset", "needs_head")):
+        return policy
+    if policy is None or policy == Pacer.name:
+        if head_config is None:
+            raise ValueError("The PACER policy needs a head: pass `pacer_head=PacerHead(...)`.")
+        return Pacer.from_config(head_config)
+    if isinstance(policy, str) and policy in POLICIES:
+        return POLICIES[policy]()
+    raise ValueError(
+        f"Unknown stopping_policy {policy!r}: pass a StoppingPolicy instance or one of {sorted(POLICIES)}."
+    )

@@ -1,0 +1,115 @@
+"""Bad input gets a clear ValueError naming the problem, never a wrong answer or a crash inside torch."""
+
+import pytest
+import torch
+
+from modeling_pacer import SVIP, Confidence, FixedLength, Heuristic, Pacer, PacerConfig, SpecDecPP, make_policy
+
+from conftest import make_head, make_model, make_pair
+
+PROMPT = torch.tensor([[3, 1, 4, 1, 5]])
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return make_pair("llama", "llama", "noisy")
+
+
+def test_head_for_another_draft(pair):
+    target, draft = pair
+    wrong = make_head(make_model("llama", seed=5, hidden=64))
+    with pytest.raises(ValueError, match="hidden size is 32"):
+        target.generate(PROMPT, assistant_model=draft, pacer_head=wrong, max_new_tokens=5)
+
+
+def test_draft_with_another_vocabulary(pair):
+    target, _ = pair
+    draft = make_model("llama", seed=2, vocab=50)
+    with pytest.raises(ValueError, match=r"vocabulary \(50 tokens\) differs from the target's \(97\)"):
+        target.generate(PROMPT, assistant_model=draft, stopping_policy="fixed", max_new_tokens=5)
+
+
+def test_batch_larger_than_one(pair):
+    target, draft = pair
+    with pytest.raises(ValueError, match="batch size 1 only, got a batch of 2"):
+        target.generate(PROMPT.repeat(2, 1), assistant_model=draft, stopping_policy="fixed", max_new_tokens=5)
+
+
+def test_no_draft(pair):
+    target, draft = pair
+    with pytest.raises(ValueError, match="needs a draft model"):
+        target.generate(PROMPT, pacer_head=make_head(draft), max_new_tokens=5)
+
+
+def test_head_policy_without_head(pair):
+    target, draft = pair
+    with pytest.raises(ValueError, match="needs a head"):
+        target.generate(PROMPT, assistant_model=draft, stopping_policy=SpecDecPP(), max_new_tokens=5)
+    with pytest.raises(ValueError, match="needs a head"):
+        target.generate(PROMPT, assistant_model=draft, stopping_policy="pacer", max_new_tokens=5)
+
+
+def test_unknown_policy_name(pair):
+    target, draft = pair
+    with pytest.raises(ValueError, match="Unknown stopping_policy 'eagle'"):
+        target.generate(PROMPT, assistant_model=draft, stopping_policy="eagle", max_new_tokens=5)
+
+
+def test_policy_longer_than_the_head_allows(pair):
+    target, draft = pair
+    head = make_head(draft, max_draft_length=8)
+    with pytest.raises(ValueError, match=r"max_draft_length \(12\) exceeds the head's max_draft_length \(8\)"):
+        target.generate(PROMPT, assistant_model=draft, pacer_head=head, stopping_policy=Pacer(max_draft_length=12),
+                        max_new_tokens=5)
+
+
+def test_padded_input(pair):
+    target, draft = pair
+    mask = torch.tensor([[0, 1, 1, 1, 1]])
+    with pytest.raises(ValueError, match="padded inputs"):
+        target.generate(PROMPT, attention_mask=mask, assistant_model=draft, stopping_policy="fixed", max_new_tokens=5)
+
+
+def test_beam_search(pair):
+    target, draft = pair
+    with pytest.raises(ValueError, match="beam search"):
+        target.generate(PROMPT, num_beams=2, assistant_model=draft, stopping_policy="fixed", max_new_tokens=5)
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("threshold", 1.5, "threshold must lie in"),
+        ("threshold", -0.1, "threshold must lie in"),
+        ("growth", 0.9, "growth must be >= 1"),
+        ("block_size", 0, "block_size must be >= 1"),
+        ("max_draft_length", 2, r"max_draft_length \(2\) must be >= block_size \(3\)"),
+    ],
+)
+def test_config_out_of_range(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        PacerConfig(**{field: value})
+
+
+@pytest.mark.parametrize(
+    "build, message",
+    [
+        (lambda: Pacer(threshold=2.0), "PACER threshold"),
+        (lambda: Pacer(growth=0.5), "PACER growth"),
+        (lambda: Pacer(block_size=0), "block_size"),
+        (lambda: SpecDecPP(threshold=-1.0), "SpecDec\\+\\+ threshold"),
+        (lambda: Confidence(threshold=1.2), "Confidence threshold"),
+        (lambda: SVIP(threshold=-0.2), "SVIP threshold"),
+        (lambda: Heuristic(initial_gamma=0), "initial_gamma"),
+        (lambda: FixedLength(-1), "max_draft_length"),
+    ],
+)
+def test_policy_out_of_range(build, message):
+    with pytest.raises(ValueError, match=message):
+        build()
+
+
+def test_make_policy_names():
+    assert isinstance(make_policy("fixed"), FixedLength)
+    assert isinstance(make_policy("svip"), SVIP)
+    assert isinstance(make_policy(None, PacerConfig(block_size=2)), Pacer)

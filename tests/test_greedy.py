@@ -1,0 +1,92 @@
+"""Losslessness under greedy decoding: every policy, token for token equal to the target's own greedy
+`generate`, on several architectures, prompts, lengths, block sizes and thresholds."""
+
+import pytest
+import torch
+
+from modeling_pacer import SVIP, Confidence, FixedLength, Heuristic, Pacer, SpecDecPP
+
+from conftest import VOCAB, make_head, make_pair
+
+PAIRS = [
+    ("llama", "llama", "noisy"),
+    ("llama", "llama", "same"),
+    ("llama", "llama", "random"),
+    ("qwen2", "qwen2", "noisy"),
+    ("qwen2", "llama", "random"),
+    ("gpt2", "gpt2", "noisy"),
+]
+
+POLICIES = {
+    "fixed1": lambda: FixedLength(1),
+    "fixed4": lambda: FixedLength(4),
+    "heuristic": lambda: Heuristic(initial_gamma=3),
+    "confidence": lambda: Confidence(threshold=0.3),
+    "svip": lambda: SVIP(threshold=0.55),
+    "specdec++": lambda: SpecDecPP(threshold=0.5, max_draft_length=8),
+    "pacer-b1": lambda: Pacer(block_size=1, threshold=0.4, growth=1.05, max_draft_length=8),
+    "pacer-b3": lambda: Pacer(block_size=3, threshold=0.5, growth=1.1, max_draft_length=12),
+    "pacer-b5-lenient": lambda: Pacer(block_size=5, threshold=0.1, growth=1.0, max_draft_length=15),
+    "pacer-strict": lambda: Pacer(block_size=2, threshold=0.95, growth=1.5, max_draft_length=16),
+}
+
+PROMPT_LENGTHS = [1, 6, 19]
+NEW_TOKENS = [1, 7, 33]
+
+
+def _prompts(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (1, n), generator=g) for n in PROMPT_LENGTHS]
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=["-".join(p) for p in PAIRS])
+@pytest.mark.parametrize("policy_name", list(POLICIES))
+def test_greedy_identical_to_target(pair, policy_name):
+    target, draft = make_pair(*pair)
+    head = make_head(draft, max_draft_length=16)
+    drafted = 0
+    for ids in _prompts():
+        for new in NEW_TOKENS:
+            expected = target.generate(ids, do_sample=False, max_new_tokens=new)
+            out = target.generate(
+                ids, assistant_model=draft, pacer_head=head, stopping_policy=POLICIES[policy_name](),
+                do_sample=False, max_new_tokens=new, return_dict_in_generate=True,
+            )
+            assert out.sequences.tolist() == expected.tolist(), (policy_name, ids.shape, new)
+            drafted += sum(s.drafted for s in out.pacer_stats.steps)
+    assert drafted > 0  # the policy really drafted: this compared speculative decoding, not a plain loop
+
+
+def test_pacer_head_alone_uses_its_config():
+    """`pacer_head=head` with no policy runs PACER with the head's (b, t0, rho, max length)."""
+    target, draft = make_pair("llama", "llama", "noisy")
+    head = make_head(draft, block_size=2, threshold=0.45, growth=1.2, max_draft_length=10)
+    ids = _prompts()[1]
+    out = target.generate(ids, assistant_model=draft, pacer_head=head, max_new_tokens=40, return_dict_in_generate=True)
+    assert out.sequences.tolist() == target.generate(ids, max_new_tokens=40).tolist()
+    stats = out.pacer_stats
+    assert "block_size=2" in stats.policy and "threshold=0.45" in stats.policy
+    # drafts end on a block boundary unless the length cap or the budget ended them
+    for step in stats.steps:
+        if step.stop_reason == "head":
+            assert step.drafted % 2 == 0
+        assert step.drafted <= 10
+
+
+def test_same_weights_draft_accepts_everything():
+    target, draft = make_pair("llama", "llama", "same")
+    ids = _prompts()[2]
+    out = target.generate(ids, assistant_model=draft, stopping_policy=FixedLength(5), max_new_tokens=36,
+                          return_dict_in_generate=True)
+    stats = out.pacer_stats
+    assert stats.acceptance_rate == 1.0
+    assert stats.target_forwards - 1 == len(stats.steps) == 6  # prefill + 6 verifications of 5 + 1 tokens
+
+
+def test_random_draft_is_rarely_accepted_yet_lossless():
+    target, draft = make_pair("llama", "llama", "random")
+    ids = _prompts()[1]
+    out = target.generate(ids, assistant_model=draft, stopping_policy=FixedLength(3), max_new_tokens=30,
+                          return_dict_in_generate=True)
+    assert out.sequences.tolist() == target.generate(ids, max_new_tokens=30).tolist()
+    assert out.pacer_stats.acceptance_rate < 0.3

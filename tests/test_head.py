@@ -1,0 +1,141 @@
+"""The head: shapes, causality inside a draft, packing masks, and save/load round trips through a
+local folder (trust_remote_code) and an offline Hub cache, with identical outputs."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModel
+
+from modeling_pacer import PacerConfig, PacerHead
+
+SMALL = dict(draft_hidden_size=24, hidden_size=16, num_attention_heads=2, intermediate_size=32, max_draft_length=8)
+
+
+@pytest.fixture
+def head():
+    torch.manual_seed(0)
+    return PacerHead(PacerConfig(**SMALL)).eval()
+
+
+def test_output_shape_and_probabilities(head):
+    x = torch.randn(2, 5, 24)
+    out = head(x)
+    assert out.logits.shape == (2, 5) and out.loss is None
+    p = head.acceptance_probabilities(x)
+    assert ((p > 0) & (p < 1)).all()
+
+
+def test_causal_inside_a_draft(head):
+    """A token's prediction never depends on later draft tokens: decoding can score a growing draft."""
+    x = torch.randn(1, 7, 24)
+    full = head(x).logits
+    for k in range(1, 8):
+        torch.testing.assert_close(head(x[:, :k]).logits, full[:, :k])
+
+
+def test_block_diagonal_mask_equals_separate_drafts(head):
+    """Two drafts packed in one row with a block-diagonal causal mask and restarting positions give
+    the same predictions as the two drafts scored alone."""
+    a, b = torch.randn(1, 3, 24), torch.randn(1, 4, 24)
+    packed = torch.cat([a, b], dim=1)
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3]])
+    mask = torch.zeros(1, 7, 7, dtype=torch.bool)
+    mask[0, :3, :3] = torch.ones(3, 3, dtype=torch.bool).tril()
+    mask[0, 3:, 3:] = torch.ones(4, 4, dtype=torch.bool).tril()
+    out = head(packed, draft_positions=positions, attention_mask=mask).logits
+    torch.testing.assert_close(out[:, :3], head(a).logits)
+    torch.testing.assert_close(out[:, 3:], head(b).logits)
+
+
+def test_position_embedding_matters_and_can_be_ablated():
+    torch.manual_seed(0)
+    with_pos = PacerHead(PacerConfig(**SMALL)).eval()
+    x = torch.randn(1, 1, 24).expand(1, 4, 24)  # the same state at every draft position
+    logits = with_pos(x).logits[0]
+    assert not torch.allclose(logits[0], logits[3])
+    without = PacerHead(PacerConfig(**SMALL, use_position_embedding=False)).eval()
+    assert without.position_embedding is None
+    assert sum(p.numel() for p in without.parameters()) < sum(p.numel() for p in with_pos.parameters())
+
+
+def test_loss_ignores_negative_labels(head):
+    x = torch.randn(1, 4, 24)
+    logits = head(x).logits
+    labels = torch.tensor([[1.0, 0.0, -100.0, -100.0]])
+    expected = torch.nn.functional.binary_cross_entropy_with_logits(logits[0, :2], labels[0, :2])
+    torch.testing.assert_close(head(x, labels=labels).loss, expected)
+
+
+def test_wrong_hidden_size_is_a_clear_error(head):
+    with pytest.raises(ValueError, match="hidden size 24"):
+        head(torch.randn(1, 3, 32))
+
+
+def test_position_beyond_max_draft_length_is_a_clear_error(head):
+    with pytest.raises(ValueError, match="max_draft_length"):
+        head(torch.randn(1, 9, 24))
+
+
+def test_save_pretrained_writes_a_hub_ready_folder(head, tmp_path):
+    head.save_pretrained(tmp_path)
+    files = sorted(os.listdir(tmp_path))
+    assert files == ["config.json", "configuration_pacer.py", "model.safetensors", "modeling_pacer.py"]
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["auto_map"] == {"AutoConfig": "configuration_pacer.PacerConfig", "AutoModel": "modeling_pacer.PacerHead"}
+    assert config["model_type"] == "pacer" and config["draft_hidden_size"] == 24
+
+
+def test_round_trip_local_folder(head, tmp_path):
+    head.save_pretrained(tmp_path)
+    x = torch.randn(1, 6, 24)
+    remote = AutoModel.from_pretrained(tmp_path, trust_remote_code=True).eval()
+    assert type(remote).__name__ == "PacerHead" and type(remote) is not PacerHead  # the shipped code ran
+    torch.testing.assert_close(remote(x).logits, head(x).logits, rtol=0, atol=0)
+    assert AutoConfig.from_pretrained(tmp_path, trust_remote_code=True).block_size == head.config.block_size
+    local = PacerHead.from_pretrained(tmp_path).eval()
+    torch.testing.assert_close(local(x).logits, head(x).logits, rtol=0, atol=0)
+
+
+def _offline_hub_snapshot(folder: Path, hf_home: Path, repo_id: str) -> None:
+    """Lay out `folder` as huggingface_hub's cache keeps a downloaded repo."""
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    repo = hf_home / "hub" / f"models--{repo_id.replace('/', '--')}"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(sha)
+    snapshot = repo / "snapshots" / sha
+    snapshot.mkdir(parents=True)
+    for f in folder.iterdir():
+        (snapshot / f.name).write_bytes(f.read_bytes())
+
+
+OFFLINE_LOADER = """
+import sys, torch
+from transformers import AutoModel
+from modeling_pacer import PacerHead
+x = torch.load(sys.argv[1])
+remote = AutoModel.from_pretrained("pacer-org/pacer-head-test", trust_remote_code=True).eval()
+local = PacerHead.from_pretrained("pacer-org/pacer-head-test").eval()
+torch.save({"remote": remote(x).logits, "local": local(x).logits, "cls": type(remote).__module__}, sys.argv[2])
+"""
+
+
+def test_round_trip_offline_hub_cache(head, tmp_path):
+    """The real Hub loading code (huggingface_hub's cache, HF_HUB_OFFLINE=1), in a fresh process so that
+    the environment variables are read at import as they would be for a user."""
+    head.save_pretrained(tmp_path / "saved")
+    _offline_hub_snapshot(tmp_path / "saved", tmp_path / "hf_home", "pacer-org/pacer-head-test")
+    x = torch.randn(1, 6, 24)
+    torch.save(x, tmp_path / "x.pt")
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1"}
+    env.pop("HF_HUB_CACHE", None)
+    subprocess.run([sys.executable, "-c", OFFLINE_LOADER, str(tmp_path / "x.pt"), str(tmp_path / "out.pt")],
+                   env=env, check=True, cwd=tmp_path)
+    out = torch.load(tmp_path / "out.pt")
+    assert out["cls"].startswith("transformers_modules")
+    torch.testing.assert_close(out["remote"], head(x).logits, rtol=0, atol=0)
+    torch.testing.assert_close(out["local"], head(x).logits, rtol=0, atol=0)
