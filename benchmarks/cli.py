@@ -1,0 +1,143 @@
+"""`pacer-bench`: methods x datasets x prompts on a model pair; JSON, a Markdown table and PNG plots.
+
+    pacer-bench --quick                                  # a few minutes on a CPU
+    pacer-bench --n 10 --max-new-tokens 128 --head path/to/head --out bench-out
+    pacer-bench --record-traces traces.pt ...            # also record full traces for replay
+    pacer-bench --replay traces.pt --head path/to/head   # evaluate stopping rules without the models
+"""
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+
+QUICK_METHODS = ["target", "hf-assisted", "hf-constant-2", "fixed-2", "heuristic", "svip", "specdec++", "pacer"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pacer-bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--pair", default=None, help="a registered pair name (default: the embedded Qwen2.5-Coder 1.5B/0.5B pair)")
+    p.add_argument("--target", help="target repo id or local folder (with --draft), instead of --pair")
+    p.add_argument("--draft", help="draft repo id or local folder")
+    p.add_argument("--quantize-draft", action="store_true", help="dynamic int8 draft (lossless: only the target's numerics matter)")
+    p.add_argument("--head", help="a trained PacerHead folder or repo id; head-based methods are skipped without one")
+    p.add_argument("--datasets", nargs="+", default=["humaneval", "gsm8k", "mtbench"])
+    p.add_argument("--n", type=int, default=10, help="prompts per dataset (the first n)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--methods", nargs="+", help="method names or globs (e.g. 'fixed-*'); default: all")
+    p.add_argument("--gammas", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6], help="draft lengths for fixed/constant methods")
+    p.add_argument("--oracle-max-draft", type=int, default=8, help="longest draft the oracle may choose")
+    p.add_argument("--record-traces", metavar="FILE", help="also record full per-position draft traces (slow) for --replay")
+    p.add_argument("--trace-max-draft", type=int, default=12, help="draft length recorded per position by --record-traces")
+    p.add_argument("--replay", metavar="FILE", help="evaluate stopping rules on recorded traces instead of running models")
+    p.add_argument("--quick", action="store_true", help=f"1 prompt per dataset, 32 tokens, methods {QUICK_METHODS}")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--out", default="bench-out", help="output folder for results.json, results.md and PNGs")
+    return p
+
+
+def _load_head(path):
+    if path is None:
+        return None
+    from modeling_pacer import PacerHead
+
+    return PacerHead.from_pretrained(path).eval()
+
+
+def _available_methods(args, head):
+    from .methods import all_methods, select_methods
+
+    available = all_methods(tuple(args.gammas), head.config if head is not None else None)
+    methods = select_methods(args.methods, available)
+    skipped = [m.name for m in methods if m.needs_head and head is None]
+    if skipped:
+        print(f"pacer-bench: skipping {skipped}: they need a trained head (--head)", file=sys.stderr)
+    return [m for m in methods if not (m.needs_head and head is None)]
+
+
+def _prompts(args, tokenizer):
+    from modeling_pacer.prompts import apply_chat_template, load_prompts
+
+    out = []
+    for dataset in args.datasets:
+        for prompt in load_prompts(dataset, args.n):
+            out.append((dataset, str(prompt.id), apply_chat_template(tokenizer, prompt)))
+    return out
+
+
+def run(args) -> dict:
+    from tqdm.auto import tqdm
+
+    from modeling_pacer.pairs import DEFAULT_PAIR, load_pair
+
+    from .report import write_report
+    from .runner import oracle_records, run_live
+    from .traces import measure_costs, record_trace
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    head = _load_head(args.head)
+    methods = _available_methods(args, head)
+    if args.target:
+        pair = load_pair(args.target, args.draft, quantize_draft=args.quantize_draft)
+    else:
+        pair = load_pair(args.pair or DEFAULT_PAIR, args.draft, quantize_draft=args.quantize_draft)
+    prompts = _prompts(args, pair.tokenizer)
+    with tqdm(total=len(prompts) * len(methods), desc="pacer-bench", unit="run") as bar:
+        records, traces = run_live(pair, head, methods, prompts, args.max_new_tokens, bar, args.oracle_max_draft)
+    costs = measure_costs(pair.target, pair.draft, head, prompts[0][2], args.oracle_max_draft + 1)
+    oracle_rows = oracle_records(traces, costs, args.oracle_max_draft)
+    meta = dict(command="pacer-bench " + " ".join(shlex.quote(a) for a in sys.argv[1:]), pair=pair.name,
+                head=args.head, max_new_tokens=args.max_new_tokens, threads=torch.get_num_threads(),
+                quantize_draft=args.quantize_draft, costs=costs.to_dict(), torch=torch.__version__)
+    result = write_report(Path(args.out), [r.to_dict() for r in records], oracle_rows, meta)
+    if args.record_traces:
+        full = [
+            record_trace(pair.draft, input_ids, trace.output, args.trace_max_draft, True, dataset, prompt_id)
+            for (dataset, prompt_id, input_ids), trace in tqdm(list(zip(prompts, traces)), desc="recording traces")
+        ]
+        torch.save(dict(traces=full, costs=costs.to_dict(), pair=pair.name), args.record_traces)
+    print(result["table"])
+    return result
+
+
+def run_replay(args) -> dict:
+    from .methods import all_methods, select_methods
+    from .traces import CostModel, oracle, replay
+
+    saved = torch.load(args.replay, weights_only=False)
+    costs = CostModel(**saved["costs"])
+    head = _load_head(args.head)
+    methods = [m for m in _available_methods(args, head) if m.policy is not None]
+    rows = []
+    for method in methods + [None]:
+        seconds = alone = 0.0
+        for trace in saved["traces"]:
+            result = oracle(trace, costs, args.oracle_max_draft) if method is None else replay(method.policy(), trace, costs, head)
+            seconds += result.seconds
+            alone += result.target_alone_seconds
+        rows.append(dict(method="oracle" if method is None else method.name, replayed_speedup=alone / seconds))
+    lines = ["| method | replayed speedup |", "|---|---|"] + [f"| {r['method']} | {r['replayed_speedup']:.2f}x |" for r in rows]
+    print("\n".join(lines))
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "replay.json").write_text(json.dumps(dict(rows=rows, costs=costs.to_dict()), indent=1))
+    return dict(rows=rows)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.quick:
+        args.n, args.max_new_tokens = 1, 32
+        args.methods = args.methods or QUICK_METHODS
+    if args.replay:
+        run_replay(args)
+    else:
+        run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,84 @@
+"""The methods a benchmark compares: the target alone, transformers' assisted generation as shipped,
+and every stopping policy of our loop. Each method is one `generate` call on the same inputs."""
+
+import copy
+import re
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from transformers import GenerationMixin
+
+from ..custom_generate.policies import SVIP, Confidence, FixedLength, Heuristic, Pacer, SpecDecPP, StoppingPolicy
+
+
+@dataclass
+class Method:
+    """One way to generate. `policy` builds a fresh stopping policy per call (None: not our loop);
+    `assistant_config` overrides the draft's generation config for transformers' assisted methods."""
+
+    name: str
+    family: str  # "target", "hf" or "pacer"
+    policy: Callable[[], StoppingPolicy] | None = None
+    assistant_config: dict = field(default_factory=dict)
+    needs_head: bool = False
+
+
+def _hf(name: str, **assistant_config) -> Method:
+    return Method(name, "hf", assistant_config=assistant_config)
+
+
+def _ours(name: str, policy: Callable[[], StoppingPolicy], needs_head: bool = False) -> Method:
+    return Method(name, "pacer", policy=policy, needs_head=needs_head)
+
+
+def all_methods(gammas=(1, 2, 3, 4, 5, 6), head_config=None) -> dict[str, Method]:
+    """Every method by name. PACER and SpecDec++ use the head's tuned rule where one is given."""
+    methods = [
+        Method("target", "target"),
+        _hf("hf-assisted"),  # transformers' defaults: 20 tokens, confidence threshold 0.4
+        _hf("hf-heuristic", num_assistant_tokens_schedule="heuristic", assistant_confidence_threshold=0.0),
+        *[_hf(f"hf-constant-{g}", num_assistant_tokens=g, num_assistant_tokens_schedule="constant",
+              assistant_confidence_threshold=0.0) for g in gammas],
+        *[_ours(f"fixed-{g}", lambda g=g: FixedLength(g)) for g in gammas],
+        _ours("heuristic", lambda: Heuristic(initial_gamma=5)),
+        _ours("confidence", lambda: Confidence()),
+        _ours("svip", lambda: SVIP()),
+        _ours("specdec++", lambda: SpecDecPP(max_draft_length=head_config.max_draft_length if head_config else 16),
+              needs_head=True),
+        _ours("pacer", lambda: Pacer.from_config(head_config), needs_head=True),
+    ]
+    return {m.name: m for m in methods}
+
+
+def select_methods(patterns: list[str] | None, available: dict[str, Method]) -> list[Method]:
+    """Methods whose names match any of the glob-like `patterns` (`fixed-*`), in registry order."""
+    if not patterns:
+        return list(available.values())
+    regexes = [re.compile("^" + re.escape(p).replace(r"\*", ".*") + "$") for p in patterns]
+    chosen = [m for name, m in available.items() if any(r.match(name) for r in regexes)]
+    unknown = [p for p, r in zip(patterns, regexes) if not any(r.match(n) for n in available)]
+    if unknown:
+        raise ValueError(f"Unknown methods {unknown}; available: {sorted(available)}")
+    return chosen
+
+
+def run_method(method: Method, target, draft, head, input_ids: torch.Tensor, max_new_tokens: int):
+    """Greedy generation with `method`. Returns `(sequences (1, L + new), PacerStats or None)`."""
+    settings = dict(max_new_tokens=max_new_tokens, do_sample=False)
+    if method.family == "target":
+        return GenerationMixin.generate(target, input_ids, **settings), None
+    if method.family == "hf":
+        # transformers reads the assisted settings from the draft's own generation config
+        saved = copy.deepcopy(draft.generation_config)
+        try:
+            for key, value in method.assistant_config.items():
+                setattr(draft.generation_config, key, value)
+            return GenerationMixin.generate(target, input_ids, assistant_model=draft, **settings), None
+        finally:
+            draft.generation_config = saved
+    from ..custom_generate.generate import generate
+
+    out = generate(target, input_ids, assistant_model=draft, stopping_policy=method.policy(),
+                   pacer_head=head if method.needs_head else None, return_dict_in_generate=True, **settings)
+    return out.sequences, out.pacer_stats

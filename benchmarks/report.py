@@ -1,0 +1,132 @@
+"""Summaries, the Markdown table, the JSON file and the plots of a benchmark run."""
+
+import json
+from collections import Counter, defaultdict
+from pathlib import Path
+
+
+def summarize(records: list[dict], oracle_rows: list[dict]) -> list[dict]:
+    """One row per (dataset, method), plus dataset "all". Ratios of sums over prompts."""
+    by_key = defaultdict(list)
+    for r in records:
+        by_key[(r["dataset"], r["method"])].append(r)
+        by_key[("all", r["method"])].append(r)
+    oracle_by_dataset = defaultdict(list)
+    for r in oracle_rows:
+        oracle_by_dataset[r["dataset"]].append(r)
+        oracle_by_dataset["all"].append(r)
+    oracle_speedup = {
+        d: sum(r["target_alone_seconds"] for r in rows) / sum(r["seconds"] for r in rows)
+        for d, rows in oracle_by_dataset.items()
+    }
+
+    rows = []
+    for (dataset, method), rs in by_key.items():
+        target_seconds = sum(r["seconds"] for r in by_key[(dataset, "target")])
+        seconds = sum(r["seconds"] for r in rs)
+        tokens = sum(r["new_tokens"] for r in rs)
+        speedup = target_seconds / seconds
+        mismatches = sum(not r["matches_target"] for r in rs)
+        rows.append(dict(
+            dataset=dataset, method=method, prompts=len(rs), speedup=speedup, tokens_per_s=tokens / seconds,
+            tau=tokens / max(1, sum(r["target_forwards"] for r in rs)),
+            target_forwards_per_token=sum(r["target_forwards"] for r in rs) / tokens,
+            draft_forwards_per_token=sum(r["draft_forwards"] for r in rs) / tokens,
+            head_share=sum(r["head_seconds"] for r in rs) / seconds,
+            of_oracle=speedup / oracle_speedup[dataset] if dataset in oracle_speedup else None,
+            mismatches=mismatches,
+        ))
+    for dataset, speedup in oracle_speedup.items():
+        rs = oracle_by_dataset[dataset]
+        tokens = sum(r["new_tokens"] for r in rs)
+        steps = sum(len(r["draft_lengths"]) for r in rs)
+        rows.append(dict(
+            dataset=dataset, method="oracle (replay)", prompts=len(rs), speedup=speedup, tokens_per_s=None,
+            tau=tokens / max(1, steps), target_forwards_per_token=steps / tokens,
+            draft_forwards_per_token=sum(sum(r["draft_lengths"]) for r in rs) / tokens,
+            head_share=0.0, of_oracle=1.0, mismatches=0,
+        ))
+    order = {m: i for i, m in enumerate(dict.fromkeys(r["method"] for r in records))}
+    order["oracle (replay)"] = len(order)
+    datasets = list(dict.fromkeys(r["dataset"] for r in records)) + ["all"]
+    return sorted(rows, key=lambda r: (datasets.index(r["dataset"]), order[r["method"]]))
+
+
+def _fmt(value, pattern: str) -> str:
+    return "–" if value is None else format(value, pattern)
+
+
+def markdown_table(summary: list[dict]) -> str:
+    lines = [
+        "| dataset | method | speedup | tokens/s | τ (tokens / target fwd) | target fwd / token | draft fwd / token | head time | of oracle | lossless |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in summary:
+        lossless = "yes" if r["mismatches"] == 0 else f"**MISMATCH {r['mismatches']}/{r['prompts']}**"
+        lines.append(
+            f"| {r['dataset']} | {r['method']} | {r['speedup']:.2f}x | {_fmt(r['tokens_per_s'], '.2f')} | "
+            f"{r['tau']:.2f} | {r['target_forwards_per_token']:.2f} | {r['draft_forwards_per_token']:.2f} | "
+            f"{r['head_share']:.1%} | {_fmt(r['of_oracle'], '.0%')} | {lossless} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def draft_length_histograms(records: list[dict], oracle_rows: list[dict]) -> dict[str, dict[int, int]]:
+    hist = defaultdict(Counter)
+    for r in list(records) + list(oracle_rows):
+        hist[r["method"]].update(r["draft_lengths"])
+    return {m: dict(sorted(h.items())) for m, h in hist.items() if h}
+
+
+def write_plots(summary: list[dict], histograms: dict, out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    datasets = list(dict.fromkeys(r["dataset"] for r in summary))
+    methods = list(dict.fromkeys(r["method"] for r in summary))
+    fig, ax = plt.subplots(figsize=(max(8, 0.6 * len(methods) * len(datasets) / 2), 4.5))
+    width = 0.8 / len(datasets)
+    for d_i, dataset in enumerate(datasets):
+        values = {r["method"]: r["speedup"] for r in summary if r["dataset"] == dataset}
+        xs = [m_i + d_i * width for m_i, m in enumerate(methods) if m in values]
+        ax.bar(xs, [values[m] for m in methods if m in values], width, label=dataset)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(methods))], methods, rotation=45, ha="right")
+    ax.set_ylabel("speedup over the target alone")
+    ax.legend()
+    fig.tight_layout()
+    paths.append(out / "speedup.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    if histograms:
+        cols = min(4, len(histograms))
+        rows = (len(histograms) + cols - 1) // cols
+        fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.6 * rows), squeeze=False)
+        for ax, (method, hist) in zip(axes.flat, histograms.items()):
+            ax.bar(list(hist), list(hist.values()))
+            ax.set_title(method, fontsize=9)
+            ax.set_xlabel("draft length")
+        for ax in list(axes.flat)[len(histograms):]:
+            ax.axis("off")
+        fig.tight_layout()
+        paths.append(out / "draft_lengths.png")
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
+    return paths
+
+
+def write_report(out: Path, records: list[dict], oracle_rows: list[dict], meta: dict) -> dict:
+    """Write `results.json`, `results.md` and the PNG plots into `out`; return the summary."""
+    out.mkdir(parents=True, exist_ok=True)
+    summary = summarize(records, oracle_rows)
+    histograms = draft_length_histograms(records, oracle_rows)
+    table = markdown_table(summary)
+    (out / "results.md").write_text(f"Command: `{meta.get('command', '')}`\n\n" + table)
+    payload = dict(meta=meta, summary=summary, draft_length_histograms=histograms, records=records, oracle=oracle_rows)
+    (out / "results.json").write_text(json.dumps(payload, indent=1, default=str))
+    write_plots(summary, histograms, out)
+    return dict(summary=summary, table=table)

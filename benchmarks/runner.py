@@ -1,0 +1,108 @@
+"""The live benchmark: methods interleaved per prompt, warm-up excluded, every output checked against
+the target alone, forwards counted with hooks so that transformers' own methods are counted too."""
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .methods import Method, run_method
+from .traces import CostModel, Trace, oracle, record_match
+
+
+@dataclass
+class Record:
+    """One method on one prompt."""
+
+    dataset: str
+    prompt_id: str
+    method: str
+    seconds: float
+    new_tokens: int
+    target_forwards: int
+    draft_forwards: int
+    matches_target: bool
+    head_seconds: float = 0.0
+    draft_lengths: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class ForwardCounter:
+    """Counts forward calls of a module (a hook, so it sees transformers' internal calls too)."""
+
+    def __init__(self, module):
+        self.count = 0
+        self._handle = module.register_forward_hook(self._hook)
+
+    def _hook(self, *args):
+        self.count += 1
+
+    def remove(self):
+        self._handle.remove()
+
+
+def _timed(method: Method, target, draft, head, input_ids, max_new_tokens, counters):
+    before = [c.count for c in counters]
+    start = time.perf_counter()
+    sequences, stats = run_method(method, target, draft, head, input_ids, max_new_tokens)
+    seconds = time.perf_counter() - start
+    return sequences, stats, seconds, [c.count - b for c, b in zip(counters, before)]
+
+
+def run_live(pair, head, methods: list[Method], prompts, max_new_tokens: int, progress=None, oracle_max_draft=8):
+    """Run every method on every prompt. `prompts`: list of `(dataset, prompt_id, input_ids (1, L))`.
+
+    Returns `(records, traces)`: a [`Record`] per method and prompt, and the oracle's cheap trace per
+    prompt (recorded from the target's own output, outside the timed region).
+    """
+    target, draft = pair.target, pair.draft
+    if not any(m.name == "target" for m in methods):
+        raise ValueError("The benchmark needs the 'target' method: every speedup is relative to it.")
+    counters = [ForwardCounter(target), ForwardCounter(draft)]
+    try:
+        # warm-up (excluded): every method once, on the first prompt, a few tokens
+        for method in methods:
+            _timed(method, target, draft, head, prompts[0][2], min(8, max_new_tokens), counters)
+        records, traces = [], []
+        for j, (dataset, prompt_id, input_ids) in enumerate(prompts):
+            order = methods[j % len(methods):] + methods[: j % len(methods)]  # rotate: no method always first
+            results = {}
+            for method in order:
+                results[method.name] = _timed(method, target, draft, head, input_ids, max_new_tokens, counters)
+                if progress is not None:
+                    progress.update(1)
+            reference = results["target"][0]
+            for method in methods:
+                sequences, stats, seconds, (target_fw, draft_fw) = results[method.name]
+                records.append(Record(
+                    dataset, prompt_id, method.name, seconds,
+                    new_tokens=sequences.shape[1] - input_ids.shape[1],
+                    target_forwards=target_fw, draft_forwards=draft_fw,
+                    matches_target=sequences.tolist() == reference.tolist(),
+                    head_seconds=stats.head_time if stats else 0.0,
+                    draft_lengths=[s.drafted for s in stats.steps] if stats else [],
+                    accepted=[s.accepted for s in stats.steps] if stats else [],
+                ))
+            output = reference[0, input_ids.shape[1]:].cpu()
+            traces.append(record_match(draft, input_ids, output, oracle_max_draft, dataset, prompt_id))
+    finally:
+        for c in counters:
+            c.remove()
+    return records, traces
+
+
+def oracle_records(traces: list[Trace], costs: CostModel, max_draft: int) -> list[dict]:
+    """Per prompt: the oracle's replayed schedule and its speedup over the target alone (same cost model)."""
+    rows = []
+    for trace in traces:
+        result = oracle(trace, costs, max_draft)
+        rows.append(dict(
+            dataset=trace.dataset, prompt_id=trace.prompt_id, method="oracle",
+            seconds=result.seconds, target_alone_seconds=result.target_alone_seconds,
+            draft_lengths=[s.drafted for s in result.steps], accepted=[s.accepted for s in result.steps],
+            new_tokens=trace.length,
+        ))
+    return rows

@@ -1,0 +1,235 @@
+"""Replay: record what the draft would propose at every position of the target's greedy output once,
+then evaluate any stopping rule (and the oracle) on the recordings without running the models.
+
+Under greedy decoding the target's output is fixed, so a decode step that starts at output position
+i and drafts k tokens accepts `min(k, match[i])` of them, where `match[i]` is how many of the draft's
+tokens from position i agree with the target's. What a stopping rule sees while drafting (the draft's
+token probabilities, entropies, hidden states) is recorded per position too, so the rule can be
+replayed exactly; time comes from a cost model measured on the same machine.
+"""
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from ..custom_generate.generate import DecodeStep, _crop_to, _forward
+from ..custom_generate.policies import DraftView, StoppingPolicy
+
+
+@dataclass
+class CostModel:
+    """Measured seconds: a target forward of n input tokens after a cached prefix, one draft forward of
+    one token, one head call over a draft. Verification of k drafts feeds k + 1 tokens."""
+
+    target_forward: dict[int, float]
+    draft_forward: float
+    head_call: float = 0.0
+
+    def target(self, num_tokens: int) -> float:
+        known = max(self.target_forward)
+        if num_tokens <= known:
+            return self.target_forward[num_tokens]
+        return self.target_forward[known] * num_tokens / known  # beyond the measured range: linear
+
+    def step(self, drafted: int, head_calls: int = 0) -> float:
+        return drafted * self.draft_forward + self.target(drafted + 1) + head_calls * self.head_call
+
+    def to_dict(self) -> dict:
+        return {"target_forward": self.target_forward, "draft_forward": self.draft_forward, "head_call": self.head_call}
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    fn()  # warm-up, excluded
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+@torch.no_grad()
+def measure_costs(target, draft, head, input_ids: torch.Tensor, max_tokens: int, repeats: int = 5) -> CostModel:
+    """Time forwards after a cached `input_ids` prefix `(1, L)`: the target for 1..max_tokens input
+    tokens, the draft for one, the head over a `max_tokens - 1` draft."""
+    def after_prefix(model):
+        cache = DynamicCache(config=model.config)
+        _forward(model, input_ids, cache, 1)
+        return cache
+
+    target_cache, draft_cache = after_prefix(target), after_prefix(draft)
+    prefix = input_ids.shape[1]
+
+    def target_step(n):
+        _forward(target, input_ids[:, -1:].repeat(1, n), target_cache, n)
+        _crop_to(target_cache, prefix)
+
+    def draft_step():
+        _forward(draft, input_ids[:, -1:], draft_cache, 1)
+        _crop_to(draft_cache, prefix)
+
+    costs = {n: _median_seconds(lambda n=n: target_step(n), repeats) for n in range(1, max_tokens + 1)}
+    head_call = 0.0
+    if head is not None:
+        hidden = torch.randn(1, max(1, max_tokens - 1), head.config.draft_hidden_size, dtype=head.dtype)
+        head_call = _median_seconds(lambda: head.acceptance_probabilities(hidden), repeats)
+    return CostModel(costs, _median_seconds(draft_step, repeats), head_call)
+
+
+@dataclass
+class Trace:
+    """The recording of one prompt.
+
+    Attributes:
+        match: `(N,)` how many draft tokens from output position i agree with the target's output
+            (capped at the recorded draft length).
+        token_probs, entropies: `(N, max_draft)` what the draft's own draft from position i looked like.
+        hidden: `(N, max_draft, hidden)` float16 draft hidden states for head-based rules, or None.
+        output: `(N,)` the target's greedy output the trace follows.
+    """
+
+    dataset: str
+    prompt_id: str
+    match: torch.Tensor
+    output: torch.Tensor | None = None
+    token_probs: torch.Tensor | None = None
+    entropies: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return int(self.match.shape[0])
+
+
+def _run_lengths(correct: torch.Tensor, cap: int) -> torch.Tensor:
+    """`(N,)` bools -> `(N,)` length of the run of Trues starting at each position, capped at `cap`."""
+    out = torch.zeros(correct.shape[0], dtype=torch.long)
+    run = 0
+    for i in range(correct.shape[0] - 1, -1, -1):
+        run = run + 1 if correct[i] else 0
+        out[i] = min(run, cap)
+    return out
+
+
+@torch.no_grad()
+def record_match(draft, input_ids: torch.Tensor, output: torch.Tensor, cap: int, dataset="", prompt_id="") -> Trace:
+    """Cheap trace for the oracle: one teacher-forced draft forward over prompt + target output. The
+    draft's context equals the target's output until its first miss, so the run of correct greedy
+    predictions from position i is exactly what a draft from i would get accepted."""
+    ids = torch.cat([input_ids, output[None]], dim=1)
+    logits = draft(input_ids=ids[:, :-1].to(draft.device)).logits[0, input_ids.shape[1] - 1 :]
+    correct = logits.argmax(-1).cpu() == output
+    return Trace(dataset, prompt_id, _run_lengths(correct, cap), output)
+
+
+@torch.no_grad()
+def record_trace(draft, input_ids: torch.Tensor, output: torch.Tensor, max_draft: int, with_hidden: bool,
+                 dataset="", prompt_id="") -> Trace:
+    """Full trace: at every output position, let the draft draft `max_draft` tokens greedily from the
+    target's prefix, as the live loop would, and record its features."""
+    n = output.shape[0]
+    ids = torch.cat([input_ids, output[None]], dim=1)
+    cache = DynamicCache(config=draft.config)
+    prefix = input_ids.shape[1]
+    if prefix > 1:
+        _forward(draft, ids[:, : prefix - 1], cache, 1)
+    match = torch.zeros(n, dtype=torch.long)
+    probs = torch.zeros(n, max_draft)
+    entropies = torch.zeros(n, max_draft)
+    hidden = None
+    for i in range(n):
+        base = prefix + i  # tokens of context for output position i
+        _crop_to(cache, base - 1)
+        feed = ids[:, cache.get_seq_length() : base]
+        drafted = []
+        for j in range(max_draft):
+            logits, states = _forward(draft, feed, cache, 1, hidden=with_hidden)
+            dist = logits[0, 0].softmax(-1)
+            token = int(dist.argmax())
+            probs[i, j] = dist[token]
+            entropies[i, j] = -(dist * torch.log(dist.clamp_min(1e-30))).sum()
+            if with_hidden:
+                if hidden is None:
+                    hidden = torch.zeros(n, max_draft, states.shape[-1], dtype=torch.float16)
+                hidden[i, j] = states[0, 0].to(torch.float16)
+            drafted.append(token)
+            feed = torch.tensor([[token]])
+        agree = torch.tensor(drafted[: n - i]) == output[i : i + max_draft]
+        match[i] = int(agree.int().cumprod(0).sum())
+    return Trace(dataset, prompt_id, match, output, probs, entropies, hidden)
+
+
+@dataclass
+class ReplayResult:
+    steps: list[DecodeStep] = field(default_factory=list)
+    seconds: float = 0.0
+    head_calls: int = 0
+    target_alone_seconds: float = 0.0
+
+    @property
+    def speedup(self) -> float:
+        return self.target_alone_seconds / self.seconds if self.seconds else float("nan")
+
+
+def replay(policy: StoppingPolicy, trace: Trace, costs: CostModel, head=None) -> ReplayResult:
+    """Run `policy` over `trace` as the live loop would (same calls, same budget rule)."""
+    if trace.token_probs is None:
+        raise ValueError("This trace holds no draft features: record it with record_trace to replay policies.")
+    if policy.needs_head and (head is None or trace.hidden is None):
+        raise ValueError(f"Replaying {policy.name!r} needs a head and a trace recorded with hidden states.")
+    max_draft = trace.token_probs.shape[1]
+    result = ReplayResult(target_alone_seconds=trace.length * costs.target(1))
+    policy.reset()
+    head_probs: dict[int, torch.Tensor] = {}
+    pos = 0
+    while pos < trace.length:
+        budget = trace.length - pos - 1
+        step_cap = policy.begin_step()
+        cap = min(step_cap, budget)
+        calls_before = result.head_calls
+
+        def acceptance(pos=pos):
+            if pos not in head_probs:  # the head is causal: one call over the whole recording serves every prefix
+                head_probs[pos] = head.acceptance_probabilities(trace.hidden[pos : pos + 1].to(head.dtype))[0]
+            result.head_calls += 1
+            return head_probs[pos][:k]
+
+        k, view, reason = 0, None, "budget" if budget < step_cap else "max_draft_length"
+        while k < cap:
+            if k == max_draft:
+                raise ValueError(f"The trace holds drafts of {max_draft} tokens; {policy!r} drafted on: record longer ones.")
+            k += 1
+            view = DraftView(trace.token_probs[pos, :k], trace.entropies[pos, :k], acceptance if policy.needs_head else None)
+            stop = policy.stop_reason(view)
+            if stop is not None:
+                reason = stop
+                break
+        accepted = min(k, int(trace.match[pos]))
+        policy.update(view, accepted)
+        result.steps.append(DecodeStep(k, accepted, accepted + 1, reason))
+        result.seconds += costs.step(k, result.head_calls - calls_before)
+        pos += accepted + 1
+    return result
+
+
+def oracle(trace: Trace, costs: CostModel, max_draft: int) -> ReplayResult:
+    """The fastest schedule for a draft length chooser that knows `match`: dynamic programming over
+    output positions, T(i) = min_k cost(k) + T(i + k + 1) with k <= match[i] (drafting past the first
+    miss only wastes time), so it also knows when drafting nothing is best."""
+    n = trace.length
+    best = [0.0] * (n + 1)
+    choice = [0] * n
+    for i in range(n - 1, -1, -1):
+        options = range(0, min(int(trace.match[i]), max_draft, n - i - 1) + 1)
+        costs_k = [(costs.step(k) + best[i + k + 1], k) for k in options]
+        best[i], choice[i] = min(costs_k)
+    result = ReplayResult(target_alone_seconds=n * costs.target(1), seconds=best[0])
+    pos = 0
+    while pos < n:
+        k = choice[pos]
+        result.steps.append(DecodeStep(k, k, k + 1, "oracle"))
+        pos += k + 1
+    return result

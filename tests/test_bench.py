@@ -1,0 +1,135 @@
+"""The benchmark harness on tiny random models: live runs, mismatch detection, replay agreeing with a
+live run, the oracle's optimality, and the report files."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from modeling_pacer.benchmarks import runner
+from modeling_pacer.benchmarks.cli import build_parser
+from modeling_pacer.benchmarks.methods import all_methods, run_method, select_methods
+from modeling_pacer.benchmarks.report import summarize, write_report
+from modeling_pacer.benchmarks.traces import CostModel, oracle, record_match, record_trace, replay
+
+from conftest import VOCAB, make_head, make_pair
+
+NEW = 24
+
+
+@pytest.fixture(scope="module")
+def setup():
+    target, draft = make_pair("llama", "llama", "noisy")
+    head = make_head(draft, max_draft_length=12, block_size=2, threshold=0.4)
+    g = torch.Generator().manual_seed(0)
+    prompts = [("toy", str(i), torch.randint(0, VOCAB, (1, 5 + 3 * i), generator=g)) for i in range(3)]
+    return SimpleNamespace(pair=SimpleNamespace(target=target, draft=draft), head=head, prompts=prompts)
+
+
+def test_select_methods_globs():
+    available = all_methods()
+    names = [m.name for m in select_methods(["target", "fixed-*"], available)]
+    assert names == ["target"] + [f"fixed-{g}" for g in (1, 2, 3, 4, 5, 6)]
+    with pytest.raises(ValueError, match="Unknown methods"):
+        select_methods(["nope"], available)
+
+
+def test_live_run_counts_and_checks_every_method(setup):
+    methods = select_methods(["target", "hf-assisted", "hf-constant-2", "fixed-2", "svip", "pacer"],
+                             all_methods(head_config=setup.head.config))
+    records, traces = runner.run_live(setup.pair, setup.head, methods, setup.prompts, NEW)
+    assert len(records) == len(methods) * len(setup.prompts) and len(traces) == len(setup.prompts)
+    for r in records:
+        assert r.matches_target, r.method
+        assert r.new_tokens == NEW and r.seconds > 0
+        assert r.target_forwards >= 1
+        if r.method == "target":
+            assert r.target_forwards == NEW and r.draft_forwards == 0
+        else:
+            assert r.draft_forwards > 0 and r.target_forwards < NEW + 1
+    pacer = [r for r in records if r.method == "pacer"]
+    assert all(r.head_seconds > 0 and sum(r.accepted) + len(r.accepted) == NEW for r in pacer)
+
+
+def test_mismatch_is_reported_loudly(setup, monkeypatch, tmp_path):
+    methods = select_methods(["target", "fixed-2"], all_methods())
+
+    def corrupt(method, *args):
+        sequences, stats = run_method(method, *args)
+        if method.name == "fixed-2":
+            sequences = sequences.clone()
+            sequences[0, -1] = (sequences[0, -1] + 1) % VOCAB
+        return sequences, stats
+
+    monkeypatch.setattr(runner, "run_method", corrupt)
+    records, traces = runner.run_live(setup.pair, None, methods, setup.prompts, NEW)
+    costs = CostModel({n: 1.0 + 0.1 * n for n in range(1, 10)}, 0.2)
+    report = write_report(tmp_path, [r.to_dict() for r in records], runner.oracle_records(traces, costs, 8),
+                          dict(command="test"))
+    row = next(r for r in report["summary"] if r["method"] == "fixed-2" and r["dataset"] == "toy")
+    assert row["mismatches"] == len(setup.prompts)
+    assert f"**MISMATCH {len(setup.prompts)}/{len(setup.prompts)}**" in report["table"]
+    assert {p.name for p in tmp_path.iterdir()} == {"results.json", "results.md", "speedup.png", "draft_lengths.png"}
+
+
+def _live_steps(setup, policy, ids):
+    out = setup.pair.target.generate(ids, assistant_model=setup.pair.draft, pacer_head=setup.head,
+                                     stopping_policy=policy, max_new_tokens=NEW, return_dict_in_generate=True)
+    return out, [(s.drafted, s.accepted) for s in out.pacer_stats.steps]
+
+
+@pytest.mark.parametrize("name", ["fixed-3", "heuristic", "confidence", "svip", "specdec++", "pacer"])
+def test_replay_agrees_with_live_run(setup, name):
+    method = all_methods(head_config=setup.head.config)[name]
+    costs = CostModel({n: 1.0 for n in range(1, 20)}, 0.1, 0.01)
+    for _, _, ids in setup.prompts:
+        out, live = _live_steps(setup, method.policy(), ids)
+        trace = record_trace(setup.pair.draft, ids, out.sequences[0, ids.shape[1]:], 12, True)
+        replayed = replay(method.policy(), trace, costs, setup.head)
+        assert [(s.drafted, s.accepted) for s in replayed.steps] == live
+
+
+def test_cheap_match_trace_equals_full_trace(setup):
+    _, _, ids = setup.prompts[1]
+    output = setup.pair.target.generate(ids, max_new_tokens=NEW)[0, ids.shape[1]:]
+    full = record_trace(setup.pair.draft, ids, output, 6, False)
+    cheap = record_match(setup.pair.draft, ids, output, 6)
+    assert cheap.match.tolist() == full.match.tolist()
+    assert cheap.match.max() > 0  # the draft does agree sometimes: the comparison means something
+
+
+def test_oracle_beats_every_replayed_policy(setup):
+    # a staircase cost curve like this CPU's: 1-3 tokens one forward, 4-6 two, 7-9 almost three
+    costs = CostModel({n: [1.0, 1.0, 1.1, 2.0, 2.0, 2.1, 2.7, 2.7, 2.8][n - 1] for n in range(1, 10)}, 0.3, 0.01)
+    methods = all_methods(gammas=(1, 2, 3, 4), head_config=setup.head.config)
+    for _, _, ids in setup.prompts:
+        output = setup.pair.target.generate(ids, max_new_tokens=NEW)[0, ids.shape[1]:]
+        trace = record_trace(setup.pair.draft, ids, output, 12, True)
+        best = oracle(trace, costs, 8)
+        assert sum(s.emitted for s in best.steps) == NEW
+        for name in ["fixed-1", "fixed-2", "fixed-4", "heuristic", "svip", "pacer"]:
+            replayed = replay(methods[name].policy(), trace, costs, setup.head)
+            assert best.seconds <= replayed.seconds + 1e-9, name
+
+
+def test_summary_ratios():
+    records = [
+        dict(dataset="d", prompt_id="0", method="target", seconds=4.0, new_tokens=8, target_forwards=8,
+             draft_forwards=0, matches_target=True, head_seconds=0.0, draft_lengths=[], accepted=[]),
+        dict(dataset="d", prompt_id="0", method="fixed-2", seconds=2.0, new_tokens=8, target_forwards=4,
+             draft_forwards=6, matches_target=True, head_seconds=0.0, draft_lengths=[2, 2, 2], accepted=[2, 2, 1]),
+    ]
+    oracle_rows = [dict(dataset="d", prompt_id="0", method="oracle", seconds=1.0, target_alone_seconds=4.0,
+                        draft_lengths=[3, 3], accepted=[3, 3], new_tokens=8)]
+    rows = {(r["dataset"], r["method"]): r for r in summarize(records, oracle_rows)}
+    assert rows[("d", "fixed-2")]["speedup"] == 2.0
+    assert rows[("d", "fixed-2")]["tau"] == 2.0 and rows[("d", "fixed-2")]["draft_forwards_per_token"] == 0.75
+    assert rows[("d", "oracle (replay)")]["speedup"] == 4.0
+    assert rows[("d", "fixed-2")]["of_oracle"] == 0.5
+    assert rows[("all", "target")]["speedup"] == 1.0
+
+
+def test_cli_help():
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["--help"])
+    assert exit_info.value.code == 0
