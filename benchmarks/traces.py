@@ -233,3 +233,62 @@ def oracle(trace: Trace, costs: CostModel, max_draft: int) -> ReplayResult:
         result.steps.append(DecodeStep(k, k, k + 1, "oracle"))
         pos += k + 1
     return result
+
+
+def _features(logits: torch.Tensor):
+    """`(n, vocab)` draft logits -> (greedy tokens, their probabilities, entropies), each `(n,)`."""
+    dist = logits.float().softmax(-1)
+    tokens = dist.argmax(-1)
+    return tokens, dist.gather(-1, tokens[:, None])[:, 0], -(dist * torch.log(dist.clamp_min(1e-30))).sum(-1)
+
+
+@torch.no_grad()
+def record_trace_fast(draft, target, input_ids: torch.Tensor, output: torch.Tensor, max_draft: int,
+                      dataset="", prompt_id="") -> Trace:
+    """The same trace as [`record_trace`] for greedy decoding, at the cost of one target forward, one
+    draft forward, and a short draft continuation per position where the draft misses.
+
+    Teacher forcing: along the target's greedy output the draft's context equals the output until its
+    first miss, so a draft that starts at position i proposes the teacher-forced prediction at i, i+1,
+    ... up to and including the miss at p = i + match[i]. Only what it drafts after the miss needs the
+    draft's own continuation from `output[:p] + miss`, and that continuation is the same for every start
+    that misses at p: one continuation of `max_draft - 1` draft forwards per miss position serves them all.
+    The target forward gives the target's greedy choice at every position (equal to `output` when
+    `output` is the target's greedy output; computed, not assumed).
+    """
+    n, prefix = output.shape[0], input_ids.shape[1]
+    ids = torch.cat([input_ids, output[None]], dim=1)
+    target_choice = target(input_ids=ids[:, :-1].to(target.device)).logits[0, prefix - 1 :].argmax(-1).cpu()
+    cache = DynamicCache(config=draft.config)
+    out = draft(input_ids=ids[:, :-1].to(draft.device), past_key_values=cache, use_cache=True, output_hidden_states=True)
+    tf_tokens, tf_probs, tf_entropy = _features(out.logits[0, prefix - 1 :].cpu())
+    tf_hidden = out.hidden_states[-1][0, prefix - 1 :].cpu()
+    correct = tf_tokens == target_choice
+    match = _run_lengths(correct, max_draft)
+
+    # continuation after each miss position p (ascending): context prompt + output[:p], then the miss
+    cont = {}
+    _crop_to(cache, prefix - 1)
+    for p in torch.nonzero(~correct).flatten().tolist():
+        _forward(draft, ids[:, cache.get_seq_length() : prefix + p], cache, 1)  # catch up, teacher-forced
+        feed, rows = tf_tokens[p].view(1, 1), []
+        for _ in range(max_draft - 1):
+            logits, states = _forward(draft, feed, cache, 1, hidden=True)
+            token, prob, entropy = _features(logits[0].cpu())
+            rows.append((prob[0], entropy[0], states[0, 0].cpu()))
+            feed = token.view(1, 1)
+        cont[p] = rows
+        _crop_to(cache, prefix + p)
+
+    # draft tokens past the end of the output are never drafted (the budget stops them): left as zeros
+    probs = torch.zeros(n, max_draft)
+    entropies = torch.zeros(n, max_draft)
+    hidden = torch.zeros(n, max_draft, tf_hidden.shape[-1], dtype=torch.float16)
+    for i in range(n):
+        m = int(match[i])
+        for j in range(min(max_draft, n - i)):
+            if j <= m:  # up to and including the first miss the context is the target's output
+                probs[i, j], entropies[i, j], hidden[i, j] = tf_probs[i + j], tf_entropy[i + j], tf_hidden[i + j]
+            else:  # after the miss at p = i + m: the draft's own continuation
+                probs[i, j], entropies[i, j], hidden[i, j] = cont[i + m][j - m - 1]
+    return Trace(dataset, prompt_id, match, output, probs, entropies, hidden)

@@ -165,13 +165,15 @@ def _pick(scores: torch.Tensor, do_sample: bool) -> torch.LongTensor:
 
 @dataclass
 class Draft:
-    """The proposal of one step: `tokens` `(1, k)`, processed draft `scores` `(1, k, vocab)`, and
-    what the policy saw of it (`None` when nothing was drafted)."""
+    """The proposal of one step: `tokens` `(1, k)`, processed draft `scores` `(1, k, vocab)`, what
+    the policy saw of it (`None` when nothing was drafted), and the draft's last hidden states
+    `(1, k, hidden)` that produced the tokens when they were kept."""
 
     tokens: torch.LongTensor
     scores: torch.Tensor
     stop_reason: str
     view: DraftView | None = None
+    hidden: torch.Tensor | None = None
 
 
 def propose(
@@ -185,6 +187,7 @@ def propose(
     do_sample: bool,
     eos_token_ids: set[int],
     stats: PacerStats,
+    keep_hidden: bool = False,
 ) -> Draft:
     """Draft up to `budget` tokens after `ids` `(1, L)`, asking `policy` after each one.
 
@@ -218,7 +221,7 @@ def propose(
     feed = ids[:, draft_cache.get_seq_length() :]
     while True:
         with _Timer(stats, "draft", device):
-            logits, hidden = _forward(draft_model, feed, draft_cache, 1, hidden=policy.needs_head)
+            logits, hidden = _forward(draft_model, feed, draft_cache, 1, hidden=policy.needs_head or keep_hidden)
         stats.draft_forwards += 1
         score = logits_processor(seq, logits[:, 0, :].to(device))
         token = _pick(score, do_sample)
@@ -243,7 +246,8 @@ def propose(
             break
         feed = token
 
-    return Draft(torch.cat(tokens, dim=1), torch.stack([s[0] for s in scores], dim=0)[None], reason, view)
+    hidden_states = torch.cat(states, dim=1) if states else None
+    return Draft(torch.cat(tokens, dim=1), torch.stack([s[0] for s in scores], dim=0)[None], reason, view, hidden_states)
 
 
 def verify(model, target_cache, ids: torch.LongTensor, draft: Draft, logits_processor, stats: PacerStats):
@@ -337,10 +341,15 @@ def pacer_decoding(
     pacer_head=None,
     stopping_policy: "str | StoppingPolicy | None" = None,
     pacer_streamer=None,
+    pacer_step_callback=None,
     **model_kwargs,
 ):
     """The decoding loop, in the shape of transformers' `custom_generate` callables: `generate`
     prepares the generation config, logits processors and stopping criteria, then calls this.
+
+    `pacer_step_callback(ids, draft, target_scores, num_accepted)`, if given, sees every step before
+    its tokens are emitted (`ids` `(1, L)` the sequence so far, `draft` a [`Draft`] with hidden states
+    kept, `target_scores` `(1, k + 1, vocab)`): this is how training data is recorded from real decoding.
 
     `input_ids` `(1, L)`. Returns `(1, L + new)` token ids, or a [`PacerGenerateOutput`] with
     `return_dict_in_generate=True`.
@@ -377,11 +386,13 @@ def pacer_decoding(
         # one verification yields one more token than was drafted, so never draft past max_length - 1
         budget = generation_config.max_length - ids.shape[1] - 1
         draft = propose(draft_model, draft_cache, pacer_head, policy, ids, budget, logits_processor,
-                        do_sample, eos_token_ids, stats)
+                        do_sample, eos_token_ids, stats, keep_hidden=pacer_step_callback is not None)
         raw_logits, target_scores = verify(model, target_cache, ids, draft, logits_processor, stats)
         new_tokens, n = accept(ids, draft, target_scores, do_sample)
         k = draft.tokens.shape[1]
         policy.update(draft.view, n)
+        if pacer_step_callback is not None:
+            pacer_step_callback(ids, draft, target_scores, n)
 
         emitted = 0
         for i in range(new_tokens.shape[1]):
@@ -450,6 +461,7 @@ def generate(
     *,
     pacer_head=None,
     stopping_policy: "str | StoppingPolicy | None" = None,
+    pacer_step_callback=None,
     **kwargs,
 ):
     """`model.generate` with PACER: `generate(model, ids, assistant_model=draft, pacer_head=head, ...)`.
@@ -488,6 +500,7 @@ def generate(
         pacer_head=pacer_head,
         stopping_policy=stopping_policy,
         pacer_streamer=streamer,
+        pacer_step_callback=pacer_step_callback,
         **plain,
         **kwargs,
     )

@@ -1,0 +1,114 @@
+"""Training data and trainer on tiny models: fast labels equal the exact simulation's, packing masks
+are exact, the trainer changes the head and lowers the loss on a learnable task."""
+
+import pytest
+import torch
+
+from modeling_pacer import PacerConfig, PacerHead
+from modeling_pacer.benchmarks.traces import record_trace_fast
+from modeling_pacer.training.data import PackedDraftCollator, examples_from_trace, simulate_drafts, to_dataset
+from modeling_pacer.training.pacer_config import PacerTrainingArguments
+from modeling_pacer.training.pacer_trainer import PacerTrainer, acceptance_metrics, roc_auc
+
+from conftest import VOCAB, make_pair
+
+MAX_DRAFT = 5
+
+
+@pytest.mark.parametrize("arch, prompt_length, new", [("qwen2", 4, 20), ("llama", 9, 33), ("llama", 5, 40)])
+def test_fast_labels_equal_exact_simulation(arch, prompt_length, new):
+    target, draft = make_pair(arch, arch, "noisy")
+    ids = torch.randint(0, VOCAB, (1, prompt_length), generator=torch.Generator().manual_seed(prompt_length))
+    exact, sequences = simulate_drafts(target, draft, ids, new, MAX_DRAFT)
+    output = sequences[0, prompt_length:]
+    assert output.tolist() == target.generate(ids, max_new_tokens=new)[0, prompt_length:].tolist()
+    fast = {e["start"]: e for e in examples_from_trace(record_trace_fast(draft, target, ids, output, MAX_DRAFT))}
+    assert len(fast) == new - 1 and len(exact) >= 2
+    assert any(e["labels"].sum() > 0 for e in exact) and any(e["labels"].min() == 0 for e in exact)
+    for e in exact:  # every draft the real decoding sent is among the fast mode's, labelled the same
+        f = fast[e["start"]]
+        assert f["labels"].tolist() == e["labels"].tolist()
+        torch.testing.assert_close(f["hidden"].float(), e["hidden"].float(), atol=2e-3, rtol=1e-3)
+
+
+def test_sampling_simulation_records_soft_labels():
+    target, draft = make_pair("llama", "llama", "noisy")
+    torch.manual_seed(0)
+    examples, _ = simulate_drafts(target, draft, torch.tensor([[3, 1, 4]]), 30, MAX_DRAFT, do_sample=True,
+                                  temperature=1.0)
+    for e in examples:
+        soft = e["soft_labels"]
+        assert ((soft >= 0) & (soft <= 1)).all()
+        assert (soft[1:] <= soft[:-1] + 1e-6).all()  # a cumulative probability never grows
+    assert any(0 < float(e["soft_labels"][0]) < 1 for e in examples)  # sampling data: truly soft
+
+
+def test_collator_packs_drafts_with_exact_masks():
+    features = [dict(hidden=torch.full((k, 4), float(k)), labels=[1.0] * (k - 1) + [0.0]) for k in (3, 2, 4, 1)]
+    batch = PackedDraftCollator(max_tokens_per_row=6)(features)
+    # rows: [3, 2] (5 tokens) and [4, 1] (5 tokens)
+    assert batch["hidden_states"].shape == (2, 5, 4)
+    assert batch["draft_positions"].tolist() == [[0, 1, 2, 0, 1], [0, 1, 2, 3, 0]]
+    expected = torch.zeros(5, 5, dtype=torch.bool)
+    expected[:3, :3] = torch.ones(3, 3, dtype=torch.bool).tril()
+    expected[3:, 3:] = torch.ones(2, 2, dtype=torch.bool).tril()
+    assert torch.equal(batch["attention_mask"][0], expected)
+    assert batch["labels"].tolist() == [[1, 1, 0, 1, 0], [1, 1, 1, 0, 0]]
+    # padding: a row shorter than the widest is padded with -100 and masked out
+    batch = PackedDraftCollator(max_tokens_per_row=4)(features[:3])
+    assert batch["labels"][1].tolist() == [1, 0, -100, -100]
+    assert not batch["attention_mask"][1, :, 2:].any()
+
+
+def test_collator_rejects_a_draft_too_long():
+    with pytest.raises(ValueError, match="does not fit"):
+        PackedDraftCollator(max_tokens_per_row=2)([dict(hidden=torch.zeros(3, 4), labels=[1.0, 1.0, 0.0])])
+
+
+def test_roc_auc_matches_pairwise_definition():
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randint(0, 5, (40,), generator=g).float()  # many ties
+    labels = torch.randint(0, 2, (40,), generator=g).bool()
+    pos, neg = scores[labels], scores[~labels]
+    pairwise = ((pos[:, None] > neg[None, :]).float() + 0.5 * (pos[:, None] == neg[None, :]).float()).mean()
+    assert abs(roc_auc(scores, labels) - float(pairwise)) < 1e-9
+
+
+def _toy_dataset(n: int, seed: int, hidden: int = 8):
+    """Learnable: a draft token is accepted while feature 0 of its hidden state is positive."""
+    g = torch.Generator().manual_seed(seed)
+    examples = []
+    for i in range(n):
+        k = int(torch.randint(1, 6, (1,), generator=g))
+        h = torch.randn(k, hidden, generator=g)
+        labels = torch.cumprod((h[:, 0] > 0).float(), dim=0)
+        examples.append(dict(hidden=h.half(), labels=labels, soft_labels=labels, start=i))
+    return to_dataset(examples)
+
+
+def test_trainer_learns_a_toy_task(tmp_path):
+    torch.manual_seed(0)
+    head = PacerHead(PacerConfig(draft_hidden_size=8, hidden_size=16, num_attention_heads=2, intermediate_size=32,
+                                 max_draft_length=8))
+    before = {k: v.clone() for k, v in head.state_dict().items()}
+    args = PacerTrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=64, per_device_eval_batch_size=64,
+                                  num_train_epochs=8, learning_rate=3e-3, max_tokens_per_row=64, logging_steps=5,
+                                  save_strategy="no", use_cpu=True, disable_tqdm=True)
+    train, evaluation = _toy_dataset(400, 0), _toy_dataset(100, 1)
+    trainer = PacerTrainer(model=head, args=args, train_dataset=train, eval_dataset=evaluation)
+    first = trainer.evaluate()
+    trainer.train()
+    last = trainer.evaluate()
+    assert any(not torch.equal(before[k], v) for k, v in head.state_dict().items())
+    assert last["eval_loss"] < 0.6 * first["eval_loss"]
+    assert last["eval_auc"] > 0.9 and last["eval_accuracy"] > 0.85
+    assert 0 <= last["eval_ece"] < 0.2
+
+
+def test_acceptance_metrics_ignore_padding():
+    from transformers import EvalPrediction
+
+    logits = torch.tensor([[5.0, -5.0, 0.0]])
+    labels = torch.tensor([[1.0, 0.0, -100.0]])
+    metrics = acceptance_metrics(EvalPrediction(predictions=logits.numpy(), label_ids=labels.numpy()))
+    assert metrics["auc"] == 1.0 and metrics["accuracy"] == 1.0 and metrics["positive_rate"] == 0.5

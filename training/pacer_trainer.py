@@ -1,0 +1,81 @@
+"""`PacerTrainer`: a `Trainer` whose loss is binary cross-entropy on draft-token acceptance, and whose
+evaluation reports how well the head predicts it (AUC, accuracy, calibration)."""
+
+import torch
+from transformers import EvalPrediction, Trainer
+
+from .data import PackedDraftCollator
+from .pacer_config import PacerTrainingArguments
+
+
+def roc_auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
+    """Area under the ROC curve = P(score of a random positive > score of a random negative), ties
+    counting half (the Mann-Whitney U statistic over average ranks)."""
+    labels = labels.bool()
+    positives, negatives = int(labels.sum()), int((~labels).sum())
+    if positives == 0 or negatives == 0:
+        return float("nan")
+    scores = scores.double()
+    order = torch.argsort(scores)
+    unique, inverse = torch.unique(scores[order], return_inverse=True)  # tied scores share one rank
+    positions = torch.arange(1, len(scores) + 1, dtype=torch.float64)
+    rank_sums = torch.zeros(len(unique), dtype=torch.float64).index_add_(0, inverse, positions)
+    counts = torch.zeros(len(unique), dtype=torch.float64).index_add_(0, inverse, torch.ones_like(positions))
+    ranks = torch.empty_like(scores)
+    ranks[order] = (rank_sums / counts)[inverse]
+    u = ranks[labels].sum() - positives * (positives + 1) / 2
+    return float(u / (positives * negatives))
+
+
+def expected_calibration_error(probs: torch.Tensor, labels: torch.Tensor, bins: int = 10) -> float:
+    """Mean |predicted - observed acceptance| over equal-width probability bins, weighted by bin size."""
+    index = torch.clamp((probs * bins).long(), max=bins - 1)
+    error = 0.0
+    for b in range(bins):
+        in_bin = index == b
+        if in_bin.any():
+            error += float(in_bin.float().mean() * (probs[in_bin].mean() - labels[in_bin].float().mean()).abs())
+    return error
+
+
+def acceptance_metrics(eval_prediction: EvalPrediction) -> dict[str, float]:
+    """`compute_metrics` for the Trainer: padding (label -100) is ignored; soft labels are rounded."""
+    logits = torch.as_tensor(eval_prediction.predictions).flatten().float()
+    labels = torch.as_tensor(eval_prediction.label_ids).flatten().float()
+    keep = labels >= 0
+    probs, hard = torch.sigmoid(logits[keep]), labels[keep] >= 0.5
+    return dict(
+        auc=roc_auc(probs, hard),
+        accuracy=float(((probs >= 0.5) == hard).float().mean()),
+        ece=expected_calibration_error(probs, hard),
+        brier=float(((probs - labels[keep]) ** 2).mean()),
+        positive_rate=float(hard.float().mean()),
+    )
+
+
+class PacerTrainer(Trainer):
+    """Trains a `PacerHead` on packed drafts. Pass datasets from `training.data.to_dataset`."""
+
+    def __init__(self, model=None, args: PacerTrainingArguments | None = None, data_collator=None,
+                 compute_metrics=None, **kwargs):
+        if args is None:
+            args = PacerTrainingArguments(output_dir="pacer-head")
+        if data_collator is None:
+            data_collator = PackedDraftCollator(
+                max_tokens_per_row=args.max_tokens_per_row,
+                label_column="soft_labels" if args.soft_labels else "labels",
+            )
+        super().__init__(model=model, args=args, data_collator=data_collator,
+                         compute_metrics=compute_metrics or acceptance_metrics, **kwargs)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        labels = inputs.pop("labels")
+        outputs = model(**inputs)
+        keep = labels >= 0
+        weight = getattr(self.args, "positive_weight", 1.0)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(
+            outputs.logits[keep].float(), labels[keep].float(),
+            pos_weight=torch.tensor(weight, device=labels.device) if weight != 1.0 else None,
+        )
+        outputs.loss = loss
+        return (loss, outputs) if return_outputs else loss
