@@ -174,16 +174,28 @@ class ReplayResult:
         return self.target_alone_seconds / self.seconds if self.seconds else float("nan")
 
 
-def replay(policy: StoppingPolicy, trace: Trace, costs: CostModel, head=None) -> ReplayResult:
-    """Run `policy` over `trace` as the live loop would (same calls, same budget rule)."""
+def head_acceptance(head, trace: Trace) -> torch.Tensor:
+    """`(N, max_draft)` the head's P(accept) for the recorded draft at every position, in one call (the
+    head is causal, so row i serves every prefix of the draft from position i)."""
+    with torch.no_grad():
+        return head.acceptance_probabilities(trace.hidden.to(head.dtype))
+
+
+def replay(policy: StoppingPolicy, trace: Trace, costs: CostModel, head=None, acceptance: torch.Tensor | None = None) -> ReplayResult:
+    """Run `policy` over `trace` as the live loop would (same calls, same budget rule).
+
+    Head-based policies read `acceptance` (from [`head_acceptance`]; computed from `head` when not given,
+    pass it to replay many policies on the same trace cheaply).
+    """
     if trace.token_probs is None:
         raise ValueError("This trace holds no draft features: record it with record_trace to replay policies.")
-    if policy.needs_head and (head is None or trace.hidden is None):
-        raise ValueError(f"Replaying {policy.name!r} needs a head and a trace recorded with hidden states.")
+    if policy.needs_head and acceptance is None:
+        if head is None or trace.hidden is None:
+            raise ValueError(f"Replaying {policy.name!r} needs a head and a trace recorded with hidden states.")
+        acceptance = head_acceptance(head, trace)
     max_draft = trace.token_probs.shape[1]
     result = ReplayResult(target_alone_seconds=trace.length * costs.target(1))
     policy.reset()
-    head_probs: dict[int, torch.Tensor] = {}
     pos = 0
     while pos < trace.length:
         budget = trace.length - pos - 1
@@ -191,18 +203,16 @@ def replay(policy: StoppingPolicy, trace: Trace, costs: CostModel, head=None) ->
         cap = min(step_cap, budget)
         calls_before = result.head_calls
 
-        def acceptance(pos=pos):
-            if pos not in head_probs:  # the head is causal: one call over the whole recording serves every prefix
-                head_probs[pos] = head.acceptance_probabilities(trace.hidden[pos : pos + 1].to(head.dtype))[0]
+        def predicted(pos=pos):
             result.head_calls += 1
-            return head_probs[pos][:k]
+            return acceptance[pos, :k]
 
         k, view, reason = 0, None, "budget" if budget < step_cap else "max_draft_length"
         while k < cap:
             if k == max_draft:
                 raise ValueError(f"The trace holds drafts of {max_draft} tokens; {policy!r} drafted on: record longer ones.")
             k += 1
-            view = DraftView(trace.token_probs[pos, :k], trace.entropies[pos, :k], acceptance if policy.needs_head else None)
+            view = DraftView(trace.token_probs[pos, :k], trace.entropies[pos, :k], predicted if policy.needs_head else None)
             stop = policy.stop_reason(view)
             if stop is not None:
                 reason = stop

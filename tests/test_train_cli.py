@@ -1,0 +1,101 @@
+"""`pacer-train` end to end on tiny models: traces, training, tuning, a Hub-ready folder with a card,
+resuming, and `--push-to-hub` through huggingface_hub against a fake HfApi whose uploaded files load
+back from an offline Hub cache with trust_remote_code and give identical outputs."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import yaml
+
+from modeling_pacer import PacerHead
+from modeling_pacer.training import cli
+
+from conftest import VOCAB, make_pair
+from test_head import OFFLINE_LOADER, _offline_hub_snapshot
+
+
+class FakeHfApi:
+    """Records what would be uploaded: create_repo and upload_folder, as huggingface_hub.HfApi takes them."""
+
+    def __init__(self, store: Path):
+        self.store, self.calls = store, []
+
+    def create_repo(self, repo_id, repo_type=None, private=False, exist_ok=False):
+        self.calls.append(("create_repo", repo_id, private))
+
+    def upload_folder(self, repo_id, folder_path, repo_type=None, commit_message=None):
+        self.calls.append(("upload_folder", repo_id))
+        dest = self.store / repo_id
+        dest.mkdir(parents=True, exist_ok=True)
+        for f in Path(folder_path).iterdir():
+            (dest / f.name).write_bytes(f.read_bytes())
+        return SimpleNamespace(commit_url=f"https://hub.invalid/{repo_id}/commit/0")
+
+
+def _args(tmp_path, *extra):
+    return cli.build_parser().parse_args([
+        "--out", str(tmp_path / "run"), "--max-new-tokens", "24", "--max-draft", "6", "--epochs", "3",
+        "--batch-size", "64", "--max-tokens-per-row", "64", "--head-hidden-size", "16", "--head-heads", "2",
+        "--head-intermediate-size", "32", "--eval-fraction", "0.34", *extra,
+    ])
+
+
+def _pair_and_prompts():
+    target, draft = make_pair("llama", "llama", "noisy")
+    pair = SimpleNamespace(target=target, draft=draft, name="tiny", target_source="tiny-target", draft_source="tiny-draft")
+    g = torch.Generator().manual_seed(0)
+    prompts = [(f"p{i}", torch.randint(0, VOCAB, (1, 4 + i), generator=g)) for i in range(6)]
+    return pair, prompts
+
+
+def test_train_end_to_end_and_push(tmp_path):
+    pair, prompts = _pair_and_prompts()
+    args = _args(tmp_path, "--push-to-hub", "pacer-org/pacer-head-tiny")
+    api = FakeHfApi(tmp_path / "hub-store")
+    summary = cli.train(args, pair, prompts, "Tiny random prompts.", hub_api=api)
+    assert summary["pushed"] == "https://hub.invalid/pacer-org/pacer-head-tiny/commit/0"
+
+    folder = tmp_path / "run" / "head"
+    assert {"config.json", "model.safetensors", "configuration_pacer.py", "modeling_pacer.py", "README.md"} <= set(os.listdir(folder))
+    head = PacerHead.from_pretrained(folder)
+    tuned = summary["tuned"]
+    assert (head.config.block_size, head.config.threshold, head.config.growth) == (
+        tuned["block_size"], tuned["threshold"], tuned["growth"])
+    assert summary["prompts"] == {"train": 4, "eval": 2}
+    assert 0.0 <= summary["metrics"]["eval_auc"] <= 1.0
+    assert summary["ablations"]["oracle"] >= summary["ablations"]["tuned"] - 1e-9
+
+    card = (folder / "README.md").read_text()
+    meta = yaml.safe_load(card.split("---")[1])
+    assert meta["library_name"] == "transformers" and meta["license"] == "apache-2.0" and "pacer" in meta["tags"]
+    assert f"b = {tuned['block_size']}" in card and "pacer-train" in card
+    assert "block size 3" in card and "no growth" in card
+
+    assert api.calls == [("create_repo", "pacer-org/pacer-head-tiny", False), ("upload_folder", "pacer-org/pacer-head-tiny")]
+    uploaded = tmp_path / "hub-store" / "pacer-org" / "pacer-head-tiny"
+    assert sorted(os.listdir(uploaded)) == sorted(os.listdir(folder))
+
+    # what was uploaded loads back from an offline Hub cache with trust_remote_code, identically
+    _offline_hub_snapshot(uploaded, tmp_path / "hf_home", "pacer-org/pacer-head-test")
+    x = torch.randn(1, 5, head.config.draft_hidden_size)
+    torch.save(x, tmp_path / "x.pt")
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1"}
+    subprocess.run([sys.executable, "-c", OFFLINE_LOADER, str(tmp_path / "x.pt"), str(tmp_path / "out.pt")],
+                   env=env, check=True, cwd=tmp_path)
+    loaded = torch.load(tmp_path / "out.pt")
+    torch.testing.assert_close(loaded["remote"], head.eval()(x).logits, rtol=0, atol=0)
+
+
+def test_resume_reuses_traces(tmp_path, monkeypatch):
+    pair, prompts = _pair_and_prompts()
+    args = _args(tmp_path)
+    first = cli.record_traces(pair, prompts[:2], 16, 6, tmp_path / "traces", resume=False)
+    calls = []
+    monkeypatch.setattr("modeling_pacer.benchmarks.traces.record_trace_fast", lambda *a, **k: calls.append(a))
+    again = cli.record_traces(pair, prompts[:2], 16, 6, tmp_path / "traces", resume=True)
+    assert calls == []
+    assert [t.match.tolist() for t in again] == [t.match.tolist() for t in first]

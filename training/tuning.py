@@ -1,0 +1,65 @@
+"""Choosing PACER's stopping rule (block size b, threshold t0, growth rho) on held-out traces.
+
+Every candidate is replayed (`benchmarks.traces.replay`) on greedy traces of prompts the head was not
+trained on, with the pair's measured cost model; the fastest becomes the head's default.
+"""
+
+import itertools
+from dataclasses import dataclass
+
+from ..benchmarks.traces import CostModel, Trace, head_acceptance, oracle, replay
+from ..custom_generate.policies import Pacer
+
+BLOCK_SIZES = (1, 2, 3, 4, 5)
+THRESHOLDS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+GROWTHS = (1.0, 1.05, 1.1, 1.2, 1.35)
+
+
+@dataclass
+class Candidate:
+    block_size: int
+    threshold: float
+    growth: float
+    speedup: float  # replayed, over the target alone, on all traces together
+
+
+def replayed_speedup(policy_factory, traces: list[Trace], costs: CostModel, acceptance) -> float:
+    seconds = alone = 0.0
+    for trace, accept in zip(traces, acceptance):
+        result = replay(policy_factory(), trace, costs, acceptance=accept)
+        seconds += result.seconds
+        alone += result.target_alone_seconds
+    return alone / seconds
+
+
+def tune_pacer(head, traces: list[Trace], costs: CostModel, max_draft_length: int,
+               block_sizes=BLOCK_SIZES, thresholds=THRESHOLDS, growths=GROWTHS) -> list[Candidate]:
+    """Every (b, t0, rho) of the grid, fastest first."""
+    acceptance = [head_acceptance(head, t) for t in traces]  # the head's predictions do not depend on (b, t0, rho)
+    candidates = []
+    for b, t0, rho in itertools.product(block_sizes, thresholds, growths):
+        if b > max_draft_length:
+            continue
+        speedup = replayed_speedup(lambda: Pacer(b, t0, rho, max_draft_length), traces, costs, acceptance)
+        candidates.append(Candidate(b, t0, rho, speedup))
+    return sorted(candidates, key=lambda c: -c.speedup)
+
+
+def oracle_speedup(traces: list[Trace], costs: CostModel, max_draft: int) -> float:
+    results = [oracle(t, costs, max_draft) for t in traces]
+    return sum(r.target_alone_seconds for r in results) / sum(r.seconds for r in results)
+
+
+def rule_ablations(candidates: list[Candidate]) -> dict[str, float]:
+    """The paper's ablations of the stopping rule, read off the tuned grid: the best rule, the best
+    without growth (rho = 1) at the best block size, and the best at block sizes 1, 3 and 5."""
+    best = candidates[0]
+    out = {"tuned": best.speedup}
+    no_growth = [c.speedup for c in candidates if c.growth == 1.0 and c.block_size == best.block_size]
+    if no_growth:
+        out["no growth (rho = 1)"] = max(no_growth)
+    for b in (1, 3, 5):
+        at_b = [c.speedup for c in candidates if c.block_size == b]
+        if at_b:
+            out[f"block size {b}"] = max(at_b)
+    return out
