@@ -2,6 +2,8 @@
 
 import pytest
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from modeling_pacer import PacerConfig, PacerHead, enable_pacer
@@ -76,3 +78,15 @@ def make_head(draft, spread: float = 30.0, seed: int = 4, **config) -> PacerHead
 @pytest.fixture
 def llama_pair():
     return make_pair("llama", "llama", "noisy")
+
+
+def word_tokenizer() -> PreTrainedTokenizerFast:
+    """A tokenizer for the tiny models: token i reads "[i]" (the last one is "abcdef", which transformers'
+    stop-string matcher needs to tokenize); words are split on whitespace; a minimal chat template."""
+    vocab = {f"[{i}]": i for i in range(VOCAB - 1)} | {"abcdef": VOCAB - 1}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[0]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer)
+    fast.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    return fast

@@ -7,14 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 import modeling_pacer
 from modeling_pacer import FixedLength, Pacer, pacer_decoding
 
-from conftest import VOCAB, make_head, make_model, make_pair
+from conftest import VOCAB, make_head, make_model, make_pair, word_tokenizer
 
 PROMPT = torch.tensor([[5, 17, 42, 8, 91, 33]])
 
@@ -80,17 +79,9 @@ def test_eos_with_min_new_tokens_and_repetition_penalty():
     assert out.sequences.tolist() == expected.tolist()
 
 
-def _word_tokenizer():
-    """Token i reads "[i]"; the last one is "abcdef", which transformers' stop-string matcher tokenizes."""
-    vocab = {f"[{i}]": i for i in range(VOCAB - 1)} | {"abcdef": VOCAB - 1}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[0]"))
-    tokenizer.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
-
-
 def test_stop_strings():
     target, draft = make_pair("llama", "llama", "same")
-    tokenizer = _word_tokenizer()
+    tokenizer = word_tokenizer()
     free = target.generate(PROMPT, max_new_tokens=30)[0, PROMPT.shape[1]:]
     stop = tokenizer.convert_ids_to_tokens(int(free[_first_occurrences(free)[3]]))
     expected = target.generate(PROMPT, max_new_tokens=30, stop_strings=[stop], tokenizer=tokenizer)

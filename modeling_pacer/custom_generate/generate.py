@@ -289,6 +289,14 @@ def accept(ids: torch.LongTensor, draft: Draft, target_scores: torch.Tensor, do_
 _ALLOWED_MODEL_KWARGS = {"attention_mask", "position_ids", "past_key_values", "use_cache", "logits_to_keep", "cache_position"}
 
 
+def _vocab_size(model) -> int:
+    """Rows of the LM head (what the logits really have; quantized heads keep `out_features` too)."""
+    head = model.get_output_embeddings()
+    if head is not None and hasattr(head, "out_features"):
+        return int(head.out_features)
+    return int(model.config.get_text_config().vocab_size)
+
+
 def _check_inputs(model, draft_model, head, policy, input_ids, generation_config, model_kwargs):
     if draft_model is None:
         raise ValueError("PACER decoding needs a draft model: pass `assistant_model=draft`.")
@@ -300,8 +308,7 @@ def _check_inputs(model, draft_model, head, policy, input_ids, generation_config
         raise ValueError(f"PACER decoding supports batch size 1 only, got a batch of {input_ids.shape[0]}.")
     if generation_config.output_attentions or generation_config.output_hidden_states:
         raise ValueError("PACER decoding does not return attentions or hidden states.")
-    target_vocab = model.get_output_embeddings().weight.shape[0]
-    draft_vocab = draft_model.get_output_embeddings().weight.shape[0]
+    target_vocab, draft_vocab = _vocab_size(model), _vocab_size(draft_model)
     if target_vocab != draft_vocab:
         raise ValueError(
             f"The draft's vocabulary ({draft_vocab} tokens) differs from the target's ({target_vocab}): "
