@@ -23,7 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", help="target repo id or local folder (with --draft), instead of --pair")
     p.add_argument("--draft", help="draft repo id or local folder")
     p.add_argument("--quantize-draft", action="store_true", help="dynamic int8 draft (lossless: only the target's numerics matter)")
-    p.add_argument("--head", help="a trained PacerHead folder or repo id; head-based methods are skipped without one")
+    p.add_argument("--head", help="a trained PacerHead folder or repo id (default: the pair's head in heads/, if any); "
+                   "head-based methods are skipped without one")
     p.add_argument("--datasets", nargs="+", default=["humaneval", "gsm8k", "mtbench"])
     p.add_argument("--n", type=int, default=10, help="prompts per dataset (the first n)")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -71,7 +72,7 @@ def _prompts(args, tokenizer):
 def run(args) -> dict:
     from tqdm.auto import tqdm
 
-    from modeling_pacer.pairs import DEFAULT_PAIR, load_pair
+    from modeling_pacer.pairs import DEFAULT_PAIR, default_head_path, load_pair
 
     from .report import write_report
     from .runner import oracle_records, run_live
@@ -79,12 +80,11 @@ def run(args) -> dict:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.head is None and not args.target:
+        args.head = default_head_path(args.pair or DEFAULT_PAIR)
     head = _load_head(args.head)
     methods = _available_methods(args, head)
-    if args.target:
-        pair = load_pair(args.target, args.draft, quantize_draft=args.quantize_draft)
-    else:
-        pair = load_pair(args.pair or DEFAULT_PAIR, args.draft, quantize_draft=args.quantize_draft)
+    pair = load_pair(args.target or args.pair or DEFAULT_PAIR, args.draft, quantize_draft=args.quantize_draft)
     prompts = _prompts(args, pair.tokenizer)
     with tqdm(total=len(prompts) * len(methods), desc="pacer-bench", unit="run") as bar:
         records, traces = run_live(pair, head, methods, prompts, args.max_new_tokens, bar, args.oracle_max_draft)

@@ -15,7 +15,6 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import gradio as gr
 import pandas as pd
@@ -60,7 +59,7 @@ def load_models(target=None, draft=None, head=None, quantize_draft=None, target_
     """The pair (default: the embedded Qwen2.5-Coder 1.5B/0.5B) and a head (default: the one trained for
     that pair, when it is in the repo). On a GPU the models go there; `target_bits` 8 or 4 loads the
     target with bitsandbytes."""
-    from modeling_pacer.pairs import DEFAULT_PAIR, load_pair
+    from modeling_pacer.pairs import DEFAULT_PAIR, default_head_path, load_pair
 
     def step(fraction, text):
         if progress is not None:
@@ -79,15 +78,10 @@ def load_models(target=None, draft=None, head=None, quantize_draft=None, target_
     step(0.1, "loading the target and the draft")
     pair = load_pair(target or DEFAULT_PAIR, draft, **kwargs)
     step(0.8, "loading the PACER head")
-    head_path = head or _default_head(pair.name)
+    head_path = head or default_head_path(pair.name)
     head_model = PacerHead.from_pretrained(head_path).eval() if head_path else None
     step(1.0, "ready")
     return DemoModels(pair.target, pair.draft, pair.tokenizer, head_model, f"{pair.name} · head: {head_path or 'none'}")
-
-
-def _default_head(pair_name: str) -> str | None:
-    folder = Path(__file__).resolve().parent.parent / "heads" / pair_name.replace("/", "-")
-    return str(folder) if (folder / "config.json").exists() else None
 
 
 class ModelHolder:

@@ -190,6 +190,12 @@ register_pair(
 # --------------------------------------------------------------------------------------------------
 # cache locations
 # --------------------------------------------------------------------------------------------------
+def default_head_path(pair_name: str) -> Path | None:
+    """The head trained for a registered pair, when this checkout has it (`heads/<pair name with - for />`)."""
+    folder = Path(__file__).resolve().parent.parent / "heads" / pair_name.replace("/", "-")
+    return folder if (folder / "config.json").exists() else None
+
+
 def cache_root(pacer_cache: str | os.PathLike | None = None) -> Path:
     """The pacer cache folder: `pacer_cache`, else `$PACER_CACHE`, else `~/.cache/pacer`."""
     return Path(pacer_cache or os.environ.get("PACER_CACHE") or Path.home() / ".cache" / "pacer").expanduser()

@@ -90,3 +90,19 @@ def test_random_draft_is_rarely_accepted_yet_lossless():
                           return_dict_in_generate=True)
     assert out.sequences.tolist() == target.generate(ids, max_new_tokens=30).tolist()
     assert out.pacer_stats.acceptance_rate < 0.3
+
+
+@pytest.mark.parametrize("policy", [FixedLength(3), Pacer(block_size=2, threshold=0.4, max_draft_length=8)], ids=["fixed3", "pacer"])
+def test_int8_draft_is_still_lossless(policy):
+    """A dynamic-int8 draft changes what is proposed, never what is accepted."""
+    from modeling_pacer.pairs import quantize_dynamic_int8
+
+    target, draft = make_pair("llama", "llama", "noisy")
+    draft = quantize_dynamic_int8(draft)
+    head = make_head(draft, max_draft_length=16)
+    for ids in _prompts(seed=3):
+        expected = target.generate(ids, max_new_tokens=30)
+        out = target.generate(ids, assistant_model=draft, pacer_head=head, stopping_policy=policy,
+                              max_new_tokens=30, return_dict_in_generate=True)
+        assert out.sequences.tolist() == expected.tolist()
+        assert out.pacer_stats.acceptance_rate > 0
