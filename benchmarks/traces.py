@@ -227,21 +227,22 @@ def replay(policy: StoppingPolicy, trace: Trace, costs: CostModel, head=None, ac
 
 def oracle(trace: Trace, costs: CostModel, max_draft: int) -> ReplayResult:
     """The fastest schedule for a draft length chooser that knows `match`: dynamic programming over
-    output positions, T(i) = min_k cost(k) + T(i + k + 1) with k <= match[i] (drafting past the first
-    miss only wastes time), so it also knows when drafting nothing is best."""
+    output positions, T(i) = min over k of cost(k) + T(i + min(k, match[i]) + 1). Drafting past the
+    first miss never gains tokens but is allowed, since a measured cost curve need not be monotone;
+    drafting nothing is allowed too."""
     n = trace.length
     best = [0.0] * (n + 1)
     choice = [0] * n
     for i in range(n - 1, -1, -1):
-        options = range(0, min(int(trace.match[i]), max_draft, n - i - 1) + 1)
-        costs_k = [(costs.step(k) + best[i + k + 1], k) for k in options]
-        best[i], choice[i] = min(costs_k)
+        options = range(0, min(max_draft, n - i - 1) + 1)
+        best[i], choice[i] = min((costs.step(k) + best[i + min(k, int(trace.match[i])) + 1], k) for k in options)
     result = ReplayResult(target_alone_seconds=n * costs.target(1), seconds=best[0])
     pos = 0
     while pos < n:
         k = choice[pos]
-        result.steps.append(DecodeStep(k, k, k + 1, "oracle"))
-        pos += k + 1
+        accepted = min(k, int(trace.match[pos]))
+        result.steps.append(DecodeStep(k, accepted, accepted + 1, "oracle"))
+        pos += accepted + 1
     return result
 
 
