@@ -2,6 +2,7 @@
 resuming, and `--push-to-hub` through huggingface_hub against a fake HfApi whose uploaded files load
 back from an offline Hub cache with trust_remote_code and give identical outputs."""
 
+import json
 import os
 import subprocess
 import sys
@@ -90,9 +91,26 @@ def test_train_end_to_end_and_push(tmp_path):
     torch.testing.assert_close(loaded["remote"], head.eval()(x).logits, rtol=0, atol=0)
 
 
+def test_card_only_adds_benchmark_figures(tmp_path):
+    pair, prompts = _pair_and_prompts()
+    cli.train(_args(tmp_path), pair, prompts[:4], "Tiny random prompts.")
+    bench = dict(meta=dict(command="pacer-bench --n 1", max_new_tokens=24), summary=[
+        dict(dataset="all", method="target", prompts=3, speedup=1.0, tau=1.0, mismatches=0),
+        dict(dataset="all", method="pacer", prompts=3, speedup=1.5, tau=2.5, mismatches=1),
+        dict(dataset="toy", method="pacer", prompts=3, speedup=9.9, tau=2.5, mismatches=0),
+    ])
+    (tmp_path / "results.json").write_text(json.dumps(bench))
+    before = (tmp_path / "run" / "head" / "README.md").read_text()
+    assert "No live benchmark" in before
+    cli.main(["--card-only", "--out", str(tmp_path / "run"), "--bench-results", str(tmp_path / "results.json")])
+    card = (tmp_path / "run" / "head" / "README.md").read_text()
+    assert "| pacer | 1.50x | 2.50 | MISMATCH 1/3 |" in card and "9.9" not in card
+    assert "Command: `pacer-bench --n 1`" in card
+    assert card.split("## Speed")[0] == before.split("## Speed")[0]  # nothing else changed
+
+
 def test_resume_reuses_traces(tmp_path, monkeypatch):
     pair, prompts = _pair_and_prompts()
-    args = _args(tmp_path)
     first = cli.record_traces(pair, prompts[:2], 16, 6, tmp_path / "traces", resume=False)
     calls = []
     monkeypatch.setattr("modeling_pacer.benchmarks.traces.record_trace_fast", lambda *a, **k: calls.append(a))

@@ -44,7 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--push-to-hub", metavar="REPO_ID", help="upload the head folder to this Hub repo")
     p.add_argument("--private", action="store_true", help="create the Hub repo private")
     p.add_argument("--threads", type=int, help="torch CPU threads")
-    p.add_argument("--out", required=True, help="working folder: traces/, trainer/, head/")
+    p.add_argument("--card-only", action="store_true", help="only re-render --out/head/README.md from --out/summary.json")
+    p.add_argument("--bench-results", help="a pacer-bench results.json measured with this head, for the card's Speed section")
+    p.add_argument("--out", required=True, help="working folder: traces/, trainer/, head/, summary.json")
     return p
 
 
@@ -138,25 +140,45 @@ def _fmt(x, pattern=".3f"):
     return format(x, pattern) if isinstance(x, (int, float)) else str(x)
 
 
-def write_head_folder(head, folder: Path, *, pair_name: str, target: str, draft: str, base_model: str | None, repo_id: str | None,
-                      metrics: dict, tuned, ablations: dict, data_description: str, command: str,
-                      training_time: str, speed: str) -> Path:
+def speed_section(bench: dict | None) -> str:
+    """Markdown for the card's Speed section from a `pacer-bench` results.json (its summary over all
+    datasets), or a pointer when no benchmark of this head was given."""
+    if not bench:
+        return "No live benchmark of this head was given to the card (`--bench-results`); the replayed ablations are below."
+    rows = [r for r in bench["summary"] if r["dataset"] == "all"]
+    lines = ["| method | speedup over the target alone | τ (tokens / target forward) | lossless |", "|---|---|---|---|"]
+    for r in rows:
+        lossless = "yes" if r["mismatches"] == 0 else f"MISMATCH {r['mismatches']}/{r['prompts']}"
+        lines.append(f"| {r['method']} | {r['speedup']:.2f}x | {r['tau']:.2f} | {lossless} |")
+    prompts = max((r["prompts"] for r in rows), default=0)
+    return (f"Measured live by `pacer-bench` on this CPU ({prompts} prompts over all datasets, "
+            f"{bench['meta'].get('max_new_tokens')} new tokens, greedy), every method interleaved per prompt:\n\n"
+            + "\n".join(lines) + f"\n\nCommand: `{bench['meta'].get('command')}`")
+
+
+def render_card(folder: Path, fields: dict, bench: dict | None = None) -> Path:
+    """Write `folder/README.md` from the card fields a training run saved (and a benchmark, if given)."""
     from modeling_pacer.hub_cards import render_head_card
 
-    head.save_pretrained(folder)
-    card = render_head_card(
-        base_model=base_model,
-        repo_id=repo_id or "org/pacer-head", target=target, draft=draft,
+    fields = dict(fields)
+    base_model = fields.pop("base_model", None)
+    card = render_head_card(base_model=base_model, speed=speed_section(bench), **fields)
+    card.save(folder / "README.md")
+    return folder / "README.md"
+
+
+def card_fields(head, *, pair_name, target, draft, base_model, repo_id, metrics, tuned, ablations, data_description,
+                command, training_time) -> dict:
+    """Everything the card template needs, JSON-serialisable (kept in summary.json for re-rendering)."""
+    return dict(
+        base_model=base_model, repo_id=repo_id or "org/pacer-head", pair_name=pair_name, target=target, draft=draft,
         block_size=tuned.block_size, threshold=tuned.threshold, growth=tuned.growth,
         max_draft_length=head.config.max_draft_length, data_description=data_description,
         eval_tokens=metrics.get("eval_tokens", "–"), auc=_fmt(metrics.get("eval_auc")),
         accuracy=_fmt(metrics.get("eval_accuracy")), ece=_fmt(metrics.get("eval_ece")),
         brier=_fmt(metrics.get("eval_brier")), positive_rate=_fmt(metrics.get("eval_positive_rate")),
-        speed=speed, ablations={k: f"{v:.2f}x" for k, v in ablations.items()}, command=command,
-        training_time=training_time,
+        ablations={k: f"{v:.2f}x" for k, v in ablations.items()}, command=command, training_time=training_time,
     )
-    card.save(folder / "README.md")
-    return folder
 
 
 # --------------------------------------------------------------------------------------------------
@@ -203,18 +225,19 @@ def train(args, pair, prompts: list[tuple[str, torch.Tensor]], data_description:
                    f"(evaluation and tuning); {tokens} target tokens of greedy output, "
                    f"{args.max_new_tokens} new tokens at most per prompt, drafts of up to {args.max_draft} tokens "
                    f"from every output position (teacher forcing).")
-    speed = ("Replayed speedups are below; live `pacer-bench` figures for this head are in the pacer "
-             "README (they are not copied here unless measured for this exact head).")
-    folder = write_head_folder(
-        head, out / "head", pair_name=pair.name, target=_describe(pair.target_source),
-        draft=_describe(pair.draft_source), base_model=args.base_model, repo_id=args.push_to_hub, metrics=metrics, tuned=best,
-        ablations=ablations, data_description=description, command=command,
+    draft_name = _describe(pair.draft_source) + (" with dynamic-int8 Linear layers (as recorded)" if args.quantize_draft else "")
+    fields = card_fields(
+        head, pair_name=pair.name, target=_describe(pair.target_source), draft=draft_name, base_model=args.base_model,
+        repo_id=args.push_to_hub, metrics=metrics, tuned=best, ablations=ablations, data_description=description,
+        command=command,
         training_time=f"traces {timings['traces']:.0f} s, training {timings['training']:.0f} s, tuning {timings['tuning']:.0f} s on {torch.get_num_threads()} CPU threads",
-        speed=speed,
     )
+    folder = out / "head"
+    head.save_pretrained(folder)
+    render_card(folder, fields)
     summary = dict(metrics=metrics, tuned=best.__dict__, ablations=ablations, timings=timings, costs=costs.to_dict(),
                    prompts=dict(train=len(train_traces), eval=len(eval_traces)), command=command,
-                   top_candidates=[c.__dict__ for c in candidates[:10]])
+                   top_candidates=[c.__dict__ for c in candidates[:10]], card=fields)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     if args.push_to_hub:
         summary["pushed"] = push_to_hub(folder, args.push_to_hub, args.private, api=hub_api)
@@ -228,6 +251,11 @@ def main(argv=None) -> int:
     from .data import load_sharegpt_prompts
 
     args = build_parser().parse_args(argv)
+    if args.card_only:
+        out = Path(args.out)
+        bench = json.loads(Path(args.bench_results).read_text()) if args.bench_results else None
+        print(render_card(out / "head", json.loads((out / "summary.json").read_text())["card"], bench))
+        return 0
     if args.base_model is None and not (args.target or args.pair or args.draft):
         args.base_model = DEFAULT_DRAFT_HUB_ID
     if args.threads:
