@@ -104,7 +104,6 @@ def run(args) -> dict:
 
 
 def run_replay(args) -> dict:
-    from .methods import all_methods, select_methods
     from .traces import CostModel, oracle, replay
 
     saved = torch.load(args.replay, weights_only=False)

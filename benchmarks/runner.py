@@ -4,8 +4,6 @@ the target alone, forwards counted with hooks so that transformers' own methods 
 import time
 from dataclasses import asdict, dataclass, field
 
-import torch
-
 from .methods import Method, run_method
 from .traces import CostModel, Trace, oracle, record_match
 

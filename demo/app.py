@@ -253,7 +253,7 @@ def verdict(sides: dict, do_sample: bool) -> str:
     if do_sample:
         return "Sampling: the two outputs are different draws; PACER samples exactly the target's distribution."
     same = sides["target"].tokens == sides["method"].tokens
-    return ("✅ **Identical**: checked token for token, PACER's output is the target's greedy output."
+    return ("✅ **Identical**: checked token for token, the method's output is the target's greedy output."
             if same else "❌ **The outputs differ**: this is a bug, please report it.")
 
 

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, StoppingCriteria, StoppingCriteriaList
+from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 import modeling_pacer
 from modeling_pacer import FixedLength, Pacer, pacer_decoding
 
-from conftest import VOCAB, make_head, make_model, make_pair, word_tokenizer
+from conftest import make_head, make_model, make_pair, word_tokenizer
 
 PROMPT = torch.tensor([[5, 17, 42, 8, 91, 33]])
 
