@@ -139,3 +139,18 @@ def test_round_trip_offline_hub_cache(head, tmp_path):
     assert out["cls"].startswith("transformers_modules")
     torch.testing.assert_close(out["remote"], head(x).logits, rtol=0, atol=0)
     torch.testing.assert_close(out["local"], head(x).logits, rtol=0, atol=0)
+
+
+def test_committed_heads_load_both_ways_identically():
+    """Every committed head folder (its own copy of the code, as on the Hub) loads through
+    trust_remote_code and through the package with identical outputs, and its card has the Hub metadata."""
+    heads = sorted((Path(__file__).resolve().parent.parent / "heads").glob("*/config.json"))
+    assert heads, "no committed head found"
+    for config_file in heads:
+        folder = config_file.parent
+        local = PacerHead.from_pretrained(folder).eval()
+        remote = AutoModel.from_pretrained(folder, trust_remote_code=True).eval()
+        x = torch.randn(1, 5, local.config.draft_hidden_size, generator=torch.Generator().manual_seed(0))
+        torch.testing.assert_close(remote(x).logits, local(x).logits, rtol=0, atol=0)
+        card = (folder / "README.md").read_text()
+        assert card.startswith("---\n") and "library_name: transformers" in card and "pacer-train" in card
