@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", nargs="+", help="method names or globs (e.g. 'fixed-*'); default: all")
     p.add_argument("--gammas", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6], help="draft lengths for fixed/constant methods")
     p.add_argument("--oracle-max-draft", type=int, default=8, help="longest draft the oracle may choose")
-    p.add_argument("--record-traces", metavar="FILE", help="also record full per-position draft traces (slow) for --replay")
+    p.add_argument("--record-traces", metavar="FILE", help="also record full per-position draft traces for --replay")
     p.add_argument("--trace-max-draft", type=int, default=12, help="draft length recorded per position by --record-traces")
     p.add_argument("--replay", metavar="FILE", help="evaluate stopping rules on recorded traces instead of running models")
     p.add_argument("--quick", action="store_true", help=f"1 prompt per dataset, 32 tokens, methods {QUICK_METHODS}")
@@ -75,7 +75,7 @@ def run(args) -> dict:
 
     from .report import write_report
     from .runner import oracle_records, run_live
-    from .traces import measure_costs, record_trace
+    from .traces import measure_costs, record_trace_fast
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -95,7 +95,7 @@ def run(args) -> dict:
     result = write_report(Path(args.out), [r.to_dict() for r in records], oracle_rows, meta)
     if args.record_traces:
         full = [
-            record_trace(pair.draft, input_ids, trace.output, args.trace_max_draft, True, dataset, prompt_id)
+            record_trace_fast(pair.draft, pair.target, input_ids, trace.output, args.trace_max_draft, dataset, prompt_id)
             for (dataset, prompt_id, input_ids), trace in tqdm(list(zip(prompts, traces)), desc="recording traces")
         ]
         torch.save(dict(traces=full, costs=costs.to_dict(), pair=pair.name), args.record_traces)
