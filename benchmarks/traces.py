@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from ..custom_generate.generate import DecodeStep, _crop_to, _forward
+from ..custom_generate.generate import DecodeStep, _crop_to, _forward, entropy
 from ..custom_generate.policies import DraftView, StoppingPolicy
 
 
@@ -150,7 +150,7 @@ def record_trace(draft, input_ids: torch.Tensor, output: torch.Tensor, max_draft
             dist = logits[0, 0].softmax(-1)
             token = int(dist.argmax())
             probs[i, j] = dist[token]
-            entropies[i, j] = -(dist * torch.log(dist.clamp_min(1e-30))).sum()
+            entropies[i, j] = entropy(dist)
             if with_hidden:
                 if hidden is None:
                     hidden = torch.zeros(n, max_draft, states.shape[-1], dtype=torch.float16)
@@ -250,7 +250,7 @@ def _features(logits: torch.Tensor):
     """`(n, vocab)` draft logits -> (greedy tokens, their probabilities, entropies), each `(n,)`."""
     dist = logits.float().softmax(-1)
     tokens = dist.argmax(-1)
-    return tokens, dist.gather(-1, tokens[:, None])[:, 0], -(dist * torch.log(dist.clamp_min(1e-30))).sum(-1)
+    return tokens, dist.gather(-1, tokens[:, None])[:, 0], entropy(dist)
 
 
 @torch.no_grad()

@@ -156,6 +156,11 @@ def _process(logits_processor, prefix: torch.LongTensor, logits: torch.Tensor) -
     return torch.stack(rows, dim=1)
 
 
+def entropy(probs: torch.Tensor) -> torch.Tensor:
+    """Entropy in nats over the last dimension of a probability tensor (`(..., vocab) -> (...)`)."""
+    return -(probs * torch.log(probs.clamp_min(1e-30))).sum(-1)
+
+
 def _pick(scores: torch.Tensor, do_sample: bool) -> torch.LongTensor:
     """`(1, vocab)` processed scores -> `(1, 1)` next token."""
     if do_sample:
@@ -229,7 +234,7 @@ def propose(
         tokens.append(token)
         scores.append(score)
         probs.append(dist[0, token[0, 0]])
-        entropies.append(-(dist * torch.log(dist.clamp_min(1e-30))).sum())
+        entropies.append(entropy(dist[0]))
         if hidden is not None:
             states.append(hidden)
         seq = torch.cat([seq, token], dim=1)
