@@ -84,6 +84,7 @@ def test_beam_search(pair):
         ("growth", 0.9, "growth must be >= 1"),
         ("block_size", 0, "block_size must be >= 1"),
         ("max_draft_length", 2, r"max_draft_length \(2\) must be >= block_size \(3\)"),
+        ("first_block_size", 17, r"first_block_size must lie in \[0, max_draft_length \(16\)\]"),
     ],
 )
 def test_config_out_of_range(field, value, message):
@@ -97,6 +98,7 @@ def test_config_out_of_range(field, value, message):
         (lambda: Pacer(threshold=2.0), "PACER threshold"),
         (lambda: Pacer(growth=0.5), "PACER growth"),
         (lambda: Pacer(block_size=0), "block_size"),
+        (lambda: Pacer(max_draft_length=4, first_block_size=5), "first_block_size"),
         (lambda: SpecDecPP(threshold=-1.0), "SpecDec\\+\\+ threshold"),
         (lambda: Confidence(threshold=1.2), "Confidence threshold"),
         (lambda: SVIP(threshold=-0.2), "SVIP threshold"),

@@ -28,6 +28,7 @@ POLICIES = {
     "pacer-b3": lambda: Pacer(block_size=3, threshold=0.5, growth=1.1, max_draft_length=12),
     "pacer-b5-lenient": lambda: Pacer(block_size=5, threshold=0.1, growth=1.0, max_draft_length=15),
     "pacer-strict": lambda: Pacer(block_size=2, threshold=0.95, growth=1.5, max_draft_length=16),
+    "pacer-first-block": lambda: Pacer(block_size=3, threshold=0.6, growth=1.2, max_draft_length=8, first_block_size=2),
 }
 
 PROMPT_LENGTHS = [1, 6, 19]
@@ -106,3 +107,4 @@ def test_int8_draft_is_still_lossless(policy):
                               max_new_tokens=30, return_dict_in_generate=True)
         assert out.sequences.tolist() == expected.tolist()
         assert out.pacer_stats.acceptance_rate > 0
+

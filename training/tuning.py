@@ -1,4 +1,4 @@
-"""Choosing PACER's stopping rule (block size b, threshold t0, growth rho) on held-out traces.
+"""Choosing PACER's stopping rule (block size b, threshold t0, growth rho, first block m) on held-out traces.
 
 Every candidate is replayed (`benchmarks.traces.replay`) on greedy traces of prompts the head was not
 trained on, with the pair's measured cost model; the fastest becomes the head's default.
@@ -11,8 +11,9 @@ from ..benchmarks.traces import CostModel, Trace, head_acceptance, oracle, repla
 from ..custom_generate.policies import Pacer
 
 BLOCK_SIZES = (1, 2, 3, 4, 5)
-THRESHOLDS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
-GROWTHS = (1.0, 1.05, 1.1, 1.2, 1.35)
+THRESHOLDS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
+GROWTHS = (1.0, 1.05, 1.1, 1.2, 1.35, 1.5)
+FIRST_BLOCK_SIZES = (0, 1, 2, 3, 4)  # 0: equal to the block size (the paper's rule)
 
 
 @dataclass
@@ -20,6 +21,7 @@ class Candidate:
     block_size: int
     threshold: float
     growth: float
+    first_block_size: int
     speedup: float  # replayed, over the target alone, on all traces together
 
 
@@ -32,16 +34,16 @@ def replayed_speedup(policy_factory, traces: list[Trace], costs: CostModel, acce
     return alone / seconds
 
 
-def tune_pacer(head, traces: list[Trace], costs: CostModel, max_draft_length: int,
-               block_sizes=BLOCK_SIZES, thresholds=THRESHOLDS, growths=GROWTHS) -> list[Candidate]:
-    """Every (b, t0, rho) of the grid, fastest first."""
-    acceptance = [head_acceptance(head, t) for t in traces]  # the head's predictions do not depend on (b, t0, rho)
+def tune_pacer(head, traces: list[Trace], costs: CostModel, max_draft_length: int, block_sizes=BLOCK_SIZES,
+               thresholds=THRESHOLDS, growths=GROWTHS, first_block_sizes=FIRST_BLOCK_SIZES) -> list[Candidate]:
+    """Every (b, t0, rho, m) of the grid, fastest first (ties: the earlier in grid order)."""
+    acceptance = [head_acceptance(head, t) for t in traces]  # the head's predictions do not depend on the rule
     candidates = []
-    for b, t0, rho in itertools.product(block_sizes, thresholds, growths):
-        if b > max_draft_length:
+    for m, b, t0, rho in itertools.product(first_block_sizes, block_sizes, thresholds, growths):
+        if b > max_draft_length or m > max_draft_length or m == b:  # m == b is the same rule as m = 0
             continue
-        speedup = replayed_speedup(lambda: Pacer(b, t0, rho, max_draft_length), traces, costs, acceptance)
-        candidates.append(Candidate(b, t0, rho, speedup))
+        speedup = replayed_speedup(lambda: Pacer(b, t0, rho, max_draft_length, m), traces, costs, acceptance)
+        candidates.append(Candidate(b, t0, rho, m, speedup))
     return sorted(candidates, key=lambda c: -c.speedup)
 
 
@@ -52,12 +54,17 @@ def oracle_speedup(traces: list[Trace], costs: CostModel, max_draft: int) -> flo
 
 def rule_ablations(candidates: list[Candidate]) -> dict[str, float]:
     """The paper's ablations of the stopping rule, read off the tuned grid: the best rule, the best
-    without growth (rho = 1) at the best block size, and the best at block sizes 1, 3 and 5."""
+    without growth (rho = 1) at the best block sizes, the best at block sizes 1, 3 and 5; and ours: the
+    best with a first block like the others (m = 0, the paper's rule)."""
     best = candidates[0]
     out = {"tuned": best.speedup}
-    no_growth = [c.speedup for c in candidates if c.growth == 1.0 and c.block_size == best.block_size]
+    no_growth = [c.speedup for c in candidates if c.growth == 1.0 and c.block_size == best.block_size
+                 and c.first_block_size == best.first_block_size]
     if no_growth:
         out["no growth (rho = 1)"] = max(no_growth)
+    paper_rule = [c.speedup for c in candidates if c.first_block_size == 0]
+    if paper_rule:
+        out["no separate first block (the paper's rule)"] = max(paper_rule)
     for b in (1, 3, 5):
         at_b = [c.speedup for c in candidates if c.block_size == b]
         if at_b:

@@ -196,20 +196,28 @@ class Pacer(StoppingPolicy):
 
     The growth factor makes the rule stricter as the draft grows: a rejection at position i wastes
     every token drafted after it, so late blocks must be more certain to be worth drafting.
+    `first_block_size` (not in the paper; 0 = `block_size`) sets the first block's length apart, so that
+    blocks can end where the target's verification cost steps up (see `PacerConfig`).
     """
 
     name = "pacer"
     needs_head = True
 
-    def __init__(self, block_size: int = 3, threshold: float = 0.5, growth: float = 1.1, max_draft_length: int = 16):
+    def __init__(self, block_size: int = 3, threshold: float = 0.5, growth: float = 1.1, max_draft_length: int = 16,
+                 first_block_size: int = 0):
         super().__init__(max_draft_length=max_draft_length)
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"PACER block_size must be an integer >= 1, got {block_size!r}.")
+        if not isinstance(first_block_size, int) or not 0 <= first_block_size <= max_draft_length:
+            raise ValueError(
+                f"PACER first_block_size must be an integer in [0, max_draft_length] (0: block_size), got {first_block_size!r}."
+            )
         _check_range("PACER threshold", threshold, 0.0, 1.0)
         _check_range("PACER growth", growth, 1.0)
         self.block_size = block_size
         self.threshold = threshold
         self.growth = growth
+        self.first_block_size = first_block_size
         self._t = threshold
 
     @classmethod
@@ -220,6 +228,7 @@ class Pacer(StoppingPolicy):
             threshold=config.threshold,
             growth=config.growth,
             max_draft_length=config.max_draft_length,
+            first_block_size=getattr(config, "first_block_size", 0),  # absent from heads saved before it existed
         )
         params.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**params)
@@ -229,10 +238,12 @@ class Pacer(StoppingPolicy):
         return self.max_draft_length
 
     def stop_reason(self, draft: DraftView) -> str | None:
-        if draft.length % self.block_size != 0:
+        first = self.first_block_size or self.block_size
+        k = draft.length
+        if k < first or (k - first) % self.block_size != 0:
             return None
         p = draft.acceptance()
-        block_mean = float(p[-self.block_size :].mean())
+        block_mean = float(p[k - first if k == first else k - self.block_size :].mean())
         if block_mean < self._t:
             return "head"
         self._t *= self.growth

@@ -1,0 +1,47 @@
+"""The stopping rules themselves, fed hand-made head predictions (no models)."""
+
+import torch
+
+from modeling_pacer import Pacer
+from modeling_pacer.custom_generate.policies import DraftView
+
+
+def _stop_length(policy, acceptance: torch.Tensor) -> int:
+    """Draft length at which `policy` stops when the head predicts `acceptance` `(max,)` for a draft."""
+    policy.reset()
+    policy.begin_step()
+    for k in range(1, policy.max_draft_length + 1):
+        view = DraftView(torch.ones(k), torch.zeros(k), lambda k=k: acceptance[:k])
+        if policy.stop_reason(view) is not None:
+            return k
+    return policy.max_draft_length
+
+
+def test_pacer_rule_block_mean_and_growth():
+    # cumulative predictions 0.9, 0.8, 0.7, ... : block means with b=2 are 0.85, 0.65, 0.45, ...
+    acceptance = torch.tensor([0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2])
+    assert _stop_length(Pacer(block_size=2, threshold=0.6, growth=1.0, max_draft_length=8), acceptance) == 6
+    # growth: the threshold after the first block is 0.6 * 1.2 = 0.72 > 0.65
+    assert _stop_length(Pacer(block_size=2, threshold=0.6, growth=1.2, max_draft_length=8), acceptance) == 4
+    # a head that predicts rejection everywhere stops after the first block
+    low = torch.full((8,), 0.01)
+    assert _stop_length(Pacer(block_size=1, threshold=0.5, growth=1.0, max_draft_length=8), low) == 1
+    assert _stop_length(Pacer(block_size=3, threshold=0.5, growth=1.0, max_draft_length=8), low) == 3
+
+
+def test_pacer_first_block():
+    acceptance = torch.tensor([0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2])
+    low = torch.full((8,), 0.01)
+    # blocks of 2 after a first block of 3: checks at 3, 5, 7
+    assert _stop_length(Pacer(block_size=2, threshold=0.5, growth=1.0, max_draft_length=8, first_block_size=3), low) == 3
+    # the first check averages the whole first block (0.9, 0.8, 0.7: 0.8 >= 0.75), the next one tokens 4-5 (0.55)
+    rule = Pacer(block_size=2, threshold=0.75, growth=1.0, max_draft_length=8, first_block_size=3)
+    assert _stop_length(rule, acceptance) == 5
+    # stair-aligned: a first block of 2 then blocks of 3 end at 2, 5, 8
+    high = torch.full((8,), 0.99)
+    rule = Pacer(block_size=3, threshold=0.5, growth=1.0, max_draft_length=8, first_block_size=2)
+    assert _stop_length(rule, torch.cat([high[:5], low[:3]])) == 8
+    assert _stop_length(rule, torch.cat([high[:2], low[:6]])) == 5
+    # first_block_size equal to block_size is the paper's rule
+    for p in (acceptance, low, high):
+        assert _stop_length(Pacer(2, 0.6, 1.1, 8, first_block_size=2), p) == _stop_length(Pacer(2, 0.6, 1.1, 8), p)
