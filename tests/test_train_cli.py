@@ -117,3 +117,24 @@ def test_resume_reuses_traces(tmp_path, monkeypatch):
     again = cli.record_traces(pair, prompts[:2], 16, 6, tmp_path / "traces", resume=True)
     assert calls == []
     assert [t.match.tolist() for t in again] == [t.match.tolist() for t in first]
+
+
+def test_two_processes(tmp_path):
+    """Two CPU processes (torchrun, as `accelerate launch --multi_gpu` starts them; gloo instead of NCCL):
+    each records its share of the traces, the Trainer trains data-parallel, the main process alone tunes
+    and writes the head folder."""
+    script = Path(__file__).parent / "accelerate_train.py"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script), str(tmp_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    reports = [json.loads((tmp_path / f"process-{i}.json").read_text()) for i in (0, 1)]
+    assert [r["num_processes"] for r in reports] == [2, 2]
+    assert "tuned" in reports[0]["summary_keys"] and reports[1]["summary_keys"] == []
+    # every prompt's trace was recorded once, by one of the two processes
+    assert sorted(reports[0]["recorded"] + reports[1]["recorded"]) == [f"p{i}" for i in range(6)]
+    assert len(reports[0]["recorded"]) == len(reports[1]["recorded"]) == 3
+    head = PacerHead.from_pretrained(tmp_path / "run" / "head")
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["prompts"] == {"train": 4, "eval": 2}
+    assert head.config.block_size == summary["tuned"]["block_size"]

