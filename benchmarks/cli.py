@@ -4,6 +4,7 @@
     pacer-bench --n 10 --max-new-tokens 128 --head path/to/head --out bench-out
     pacer-bench --record-traces traces.pt ...            # also record full traces for replay
     pacer-bench --replay traces.pt --head path/to/head   # evaluate stopping rules without the models
+    pacer-bench --merge a/results.json b/results.json --out all   # one report from runs split by dataset
 """
 
 import argparse
@@ -32,7 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--oracle-max-draft", type=int, default=8, help="longest draft the oracle may choose")
     p.add_argument("--record-traces", metavar="FILE", help="also record full per-position draft traces for --replay")
     p.add_argument("--trace-max-draft", type=int, default=12, help="draft length recorded per position by --record-traces")
-    p.add_argument("--replay", metavar="FILE", help="evaluate stopping rules on recorded traces instead of running models")
+    p.add_argument("--replay", metavar="FILE", nargs="+",
+                   help="evaluate stopping rules on recorded traces (one or more files) instead of running models")
+    p.add_argument("--merge", metavar="RESULTS", nargs="+",
+                   help="merge results.json files of runs over disjoint prompts (e.g. one run per dataset) into one "
+                        "report; each prompt's ratios stay within the run that measured them")
     p.add_argument("--quick", action="store_true", help=f"1 prompt per dataset, 32 tokens, methods {QUICK_METHODS}")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--out", default="bench-out", help="output folder for results.json, results.md and PNGs")
@@ -106,14 +111,19 @@ def run(args) -> dict:
 def run_replay(args) -> dict:
     from .traces import CostModel, oracle, replay
 
-    saved = torch.load(args.replay, weights_only=False)
-    costs = CostModel(**saved["costs"])
+    # each file's traces are replayed with the cost model measured in the run that recorded them
+    recorded = []
+    for path in args.replay:
+        saved = torch.load(path, weights_only=False)
+        costs = saved["costs"]
+        costs = CostModel(**{**costs, "target_forward": {int(k): v for k, v in costs["target_forward"].items()}})
+        recorded += [(trace, costs) for trace in saved["traces"]]
     head = _load_head(args.head)
     methods = [m for m in _available_methods(args, head) if m.policy is not None]
     rows = []
     for method in methods + [None]:
         seconds = alone = 0.0
-        for trace in saved["traces"]:
+        for trace, costs in recorded:
             result = oracle(trace, costs, args.oracle_max_draft) if method is None else replay(method.policy(), trace, costs, head)
             seconds += result.seconds
             alone += result.target_alone_seconds
@@ -121,8 +131,31 @@ def run_replay(args) -> dict:
     lines = ["| method | replayed speedup |", "|---|---|"] + [f"| {r['method']} | {r['replayed_speedup']:.2f}x |" for r in rows]
     print("\n".join(lines))
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "replay.json").write_text(json.dumps(dict(rows=rows, costs=costs.to_dict()), indent=1))
+    meta = dict(command="pacer-bench " + " ".join(shlex.quote(a) for a in sys.argv[1:]), traces=len(recorded),
+                costs=[c.to_dict() for c in {id(c): c for _, c in recorded}.values()])
+    (Path(args.out) / "replay.json").write_text(json.dumps(dict(rows=rows, meta=meta), indent=1))
+    (Path(args.out) / "replay.md").write_text(f"Command: `{meta['command']}`\n\n" + "\n".join(lines) + "\n")
     return dict(rows=rows)
+
+
+def run_merge(args) -> dict:
+    """One report from several runs' results.json (disjoint prompts); meta keeps every run's command and costs."""
+    from .report import write_report
+
+    parts = [json.loads(Path(path).read_text()) for path in args.merge]
+    keys = {(r["dataset"], r["prompt_id"]) for part in parts for r in part["oracle"]}
+    if len(keys) != sum(len(part["oracle"]) for part in parts):
+        raise ValueError("--merge: the runs share prompts; merge only runs over disjoint prompts (e.g. one per dataset).")
+    methods = [sorted({r["method"] for r in part["records"]}) for part in parts]
+    if any(m != methods[0] for m in methods):
+        raise ValueError(f"--merge: the runs compare different methods: {methods}")
+    meta = dict(command="pacer-bench " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+                parts=[part["meta"] for part in parts],
+                max_new_tokens=parts[0]["meta"].get("max_new_tokens"))
+    result = write_report(Path(args.out), [r for part in parts for r in part["records"]],
+                          [r for part in parts for r in part["oracle"]], meta)
+    print(result["table"])
+    return result
 
 
 def main(argv=None) -> int:
@@ -130,7 +163,9 @@ def main(argv=None) -> int:
     if args.quick:
         args.n, args.max_new_tokens = 1, 32
         args.methods = args.methods or QUICK_METHODS
-    if args.replay:
+    if args.merge:
+        run_merge(args)
+    elif args.replay:
         run_replay(args)
     else:
         run(args)

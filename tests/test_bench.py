@@ -150,3 +150,61 @@ def test_oracle_is_optimal_under_a_non_monotone_cost_curve():
             pos += min(k, int(trace.match[pos])) + 1
         assert best.seconds <= seconds + 1e-12
     assert any(s.drafted > s.accepted for s in best.steps)  # it used the dip: drafted past a miss
+
+
+def _part(tmp_path, name, dataset, target_seconds, fixed_seconds):
+    records = [
+        dict(dataset=dataset, prompt_id="0", method="target", seconds=target_seconds, new_tokens=8, target_forwards=8,
+             draft_forwards=0, matches_target=True, head_seconds=0.0, draft_lengths=[], accepted=[]),
+        dict(dataset=dataset, prompt_id="0", method="fixed-2", seconds=fixed_seconds, new_tokens=8, target_forwards=4,
+             draft_forwards=6, matches_target=dataset != "b", head_seconds=0.0, draft_lengths=[2, 2, 2], accepted=[2, 2, 1]),
+    ]
+    oracle_rows = [dict(dataset=dataset, prompt_id="0", method="oracle", seconds=1.0, target_alone_seconds=target_seconds,
+                        draft_lengths=[3, 3], accepted=[3, 3], new_tokens=8)]
+    write_report(tmp_path / name, records, oracle_rows, dict(command=f"pacer-bench --datasets {dataset}", max_new_tokens=8))
+    return str(tmp_path / name / "results.json")
+
+
+def test_merge_runs_split_by_dataset(tmp_path):
+    import json
+
+    from modeling_pacer.benchmarks.cli import main
+
+    a, b = _part(tmp_path, "a", "a", 4.0, 2.0), _part(tmp_path, "b", "b", 6.0, 2.0)
+    main(["--merge", a, b, "--out", str(tmp_path / "all")])
+    merged = json.loads((tmp_path / "all" / "results.json").read_text())
+    rows = {(r["dataset"], r["method"]): r for r in merged["summary"]}
+    assert rows[("a", "fixed-2")]["speedup"] == 2.0 and rows[("b", "fixed-2")]["speedup"] == 3.0
+    assert rows[("all", "fixed-2")]["speedup"] == 10.0 / 4.0  # ratio of sums over both runs
+    assert rows[("all", "fixed-2")]["mismatches"] == 1  # a mismatch in one part stays loud in the merge
+    assert "MISMATCH" in (tmp_path / "all" / "results.md").read_text()
+    assert [p["command"] for p in merged["meta"]["parts"]] == ["pacer-bench --datasets a", "pacer-bench --datasets b"]
+    with pytest.raises(ValueError, match="share prompts"):
+        main(["--merge", a, a, "--out", str(tmp_path / "twice")])
+
+
+def test_replay_cli_over_several_trace_files(setup, tmp_path):
+    """`--replay a.pt b.pt` replays every file's traces with its own cost model; the figures equal replaying
+    by hand, and the oracle bounds every policy."""
+    import json
+
+    from modeling_pacer.benchmarks.cli import main
+
+    setup.head.save_pretrained(tmp_path / "head")
+    files, by_hand = [], {"fixed-2": [0.0, 0.0], "pacer": [0.0, 0.0]}
+    for i, (dataset, prompt_id, ids) in enumerate(setup.prompts[:2]):
+        costs = CostModel({n: 1.0 + i + 0.2 * (n > 3) for n in range(1, 14)}, 0.1 * (i + 1), 0.01)
+        output = setup.pair.target.generate(ids, max_new_tokens=NEW)[0, ids.shape[1]:]
+        trace = record_trace(setup.pair.draft, ids, output, 12, True, dataset, prompt_id)
+        torch.save(dict(traces=[trace], costs=costs.to_dict(), pair="toy"), tmp_path / f"{i}.pt")
+        files.append(str(tmp_path / f"{i}.pt"))
+        for name in by_hand:
+            result = replay(all_methods(head_config=setup.head.config)[name].policy(), trace, costs, setup.head)
+            by_hand[name][0] += result.target_alone_seconds
+            by_hand[name][1] += result.seconds
+    main(["--replay", *files, "--head", str(tmp_path / "head"), "--methods", "fixed-2", "pacer", "--out", str(tmp_path / "r")])
+    rows = {r["method"]: r["replayed_speedup"] for r in json.loads((tmp_path / "r" / "replay.json").read_text())["rows"]}
+    for name, (alone, seconds) in by_hand.items():
+        assert rows[name] == pytest.approx(alone / seconds)
+    assert rows["oracle"] >= max(rows["fixed-2"], rows["pacer"])
+    assert (tmp_path / "r" / "replay.md").exists()
