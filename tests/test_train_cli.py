@@ -68,7 +68,11 @@ def test_train_end_to_end_and_push(tmp_path):
         tuned["block_size"], tuned["threshold"], tuned["growth"])
     assert summary["prompts"] == {"train": 4, "eval": 2}
     assert 0.0 <= summary["metrics"]["eval_auc"] <= 1.0
+    assert 0.0 <= summary["metrics"]["eval_auc_first_token"] <= 1.0
     assert summary["ablations"]["oracle"] >= summary["ablations"]["tuned"] - 1e-9
+    fixed = [v for k, v in summary["ablations"].items() if k.startswith("best fixed draft length, no head")]
+    assert len(fixed) == 1 and fixed[0] <= summary["ablations"]["oracle"] + 1e-9
+    assert len(list((tmp_path / "run" / "traces").glob("*.seconds"))) == 6  # each trace's recording time is kept
 
     card = (folder / "README.md").read_text()
     meta = yaml.safe_load(card.split("---")[1])
@@ -117,6 +121,10 @@ def test_resume_reuses_traces(tmp_path, monkeypatch):
     again = cli.record_traces(pair, prompts[:2], 16, 6, tmp_path / "traces", resume=True)
     assert calls == []
     assert [t.match.tolist() for t in again] == [t.match.tolist() for t in first]
+    # a resumed run still reports what recording took, or says it cannot
+    assert cli.recording_time(tmp_path / "traces", ["p0", "p1"]).startswith("traces ")
+    (tmp_path / "traces" / "p1.seconds").unlink()
+    assert "1 more recorded without timing" in cli.recording_time(tmp_path / "traces", ["p0", "p1"])
 
 
 def test_two_processes(tmp_path):

@@ -112,3 +112,21 @@ def test_acceptance_metrics_ignore_padding():
     labels = torch.tensor([[1.0, 0.0, -100.0]])
     metrics = acceptance_metrics(EvalPrediction(predictions=logits.numpy(), label_ids=labels.numpy()))
     assert metrics["auc"] == 1.0 and metrics["accuracy"] == 1.0 and metrics["positive_rate"] == 0.5
+
+
+def test_first_token_auc_reads_only_first_positions():
+    from types import SimpleNamespace
+
+    from modeling_pacer.benchmarks.traces import Trace
+    from modeling_pacer.training.pacer_trainer import first_token_auc
+
+    match = torch.tensor([0, 2, 0, 1, 0])  # the last start is never drafted from
+    trace = Trace("d", "p", match, hidden=torch.zeros(5, 3, 4, dtype=torch.float16))
+    first = torch.tensor([0.1, 0.9, 0.2, 0.8, 0.99])  # separates starts 0-3 perfectly; start 4 is ignored
+    later = torch.rand(5, 2)  # anything at later draft positions must not matter
+
+    def head(scores):
+        return SimpleNamespace(dtype=torch.float32, acceptance_probabilities=lambda hidden: torch.cat([scores[:, None], later], 1))
+
+    assert first_token_auc(head(first), [trace]) == 1.0
+    assert first_token_auc(head(1 - first), [trace]) == 0.0

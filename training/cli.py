@@ -44,7 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head-hidden-size", type=int, default=256)
     p.add_argument("--head-heads", type=int, default=4)
     p.add_argument("--head-intermediate-size", type=int, default=512)
+    p.add_argument("--head-dropout", type=float, default=0.0, help="dropout inside the head while training")
     p.add_argument("--ablate-position-embedding", action="store_true", help="also train a head without draft-position embeddings")
+
     p.add_argument("--resume", action="store_true", help="reuse recorded traces and the last trainer checkpoint in --out")
     p.add_argument("--base-model", help="Hub id of the draft, for the card's base_model (default pair: its draft's id)")
     p.add_argument("--push-to-hub", metavar="REPO_ID", help="upload the head folder to this Hub repo")
@@ -61,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
 # --------------------------------------------------------------------------------------------------
 def record_traces(pair, prompts: list[tuple[str, torch.Tensor]], max_new_tokens: int, max_draft: int,
                   trace_dir: Path, resume: bool, progress=None):
-    """A greedy trace per prompt (`(id, input_ids (1, L))`), saved as it is made so a rerun resumes."""
+    """A greedy trace per prompt (`(id, input_ids (1, L))`), saved as it is made so a rerun resumes; the
+    seconds each took are kept beside it (`ID.seconds`) so that a resumed run still reports them."""
     from ..benchmarks.traces import record_trace_fast
     from ..custom_generate.generate import generate
     from ..custom_generate.policies import FixedLength
@@ -73,6 +76,7 @@ def record_traces(pair, prompts: list[tuple[str, torch.Tensor]], max_new_tokens:
         if resume and path.exists():
             traces.append(torch.load(path, weights_only=False))
         else:
+            start = time.perf_counter()
             # the target's greedy output, produced by our own lossless loop (cheaper than the target alone)
             input_ids = input_ids.to(pair.target.device)
             sequences = generate(pair.target, input_ids, assistant_model=pair.draft, stopping_policy=FixedLength(2),
@@ -82,10 +86,22 @@ def record_traces(pair, prompts: list[tuple[str, torch.Tensor]], max_new_tokens:
                 continue  # nothing to draft
             trace = record_trace_fast(pair.draft, pair.target, input_ids.cpu(), output, max_draft, "train", prompt_id)
             torch.save(trace, path)
+            path.with_suffix(".seconds").write_text(f"{time.perf_counter() - start:.3f}")
             traces.append(trace)
         if progress is not None:
             progress.update(1)
     return traces
+
+
+def recording_time(trace_dir: Path, prompt_ids) -> str:
+    """What recording the traces of `prompt_ids` took, from the `.seconds` files `record_traces` keeps."""
+    paths = [trace_dir / f"{pid}.seconds" for pid in prompt_ids if (trace_dir / f"{pid}.pt").exists()]
+    timed = [float(p.read_text()) for p in paths if p.exists()]
+    if len(timed) == len(paths):
+        return f"traces {sum(timed):.0f} s"
+    if not timed:
+        return "traces recorded without timing (by an earlier version of pacer-train)"
+    return f"traces {sum(timed):.0f} s for {len(timed)} prompts, {len(paths) - len(timed)} more recorded without timing"
 
 
 def traces_to_dataset(traces):
@@ -101,12 +117,12 @@ def fit_head(train_traces, eval_traces, draft_hidden_size: int, args, out: Path,
     from modeling_pacer import PacerConfig, PacerHead
 
     from .pacer_config import PacerTrainingArguments
-    from .pacer_trainer import PacerTrainer
+    from .pacer_trainer import PacerTrainer, first_token_auc
 
     torch.manual_seed(0)
     config = PacerConfig(
         draft_hidden_size=draft_hidden_size, hidden_size=args.head_hidden_size, num_attention_heads=args.head_heads,
-        intermediate_size=args.head_intermediate_size, max_draft_length=args.max_draft,
+        intermediate_size=args.head_intermediate_size, max_draft_length=args.max_draft, dropout=args.head_dropout,
         use_position_embedding=use_position_embedding,
     )
     head = PacerHead(config)
@@ -125,6 +141,7 @@ def fit_head(train_traces, eval_traces, draft_hidden_size: int, args, out: Path,
     seconds = time.perf_counter() - start
     metrics = trainer.evaluate()
     metrics["eval_tokens"] = sum(len(labels) for labels in trainer.eval_dataset["labels"])
+    metrics["eval_auc_first_token"] = first_token_auc(head.eval(), eval_traces)
     return head.eval(), metrics, seconds
 
 
@@ -183,6 +200,7 @@ def card_fields(head, *, pair_name, target, draft, base_model, repo_id, metrics,
         first_block_size=tuned.first_block_size,
         max_draft_length=head.config.max_draft_length, data_description=data_description,
         eval_tokens=metrics.get("eval_tokens", "–"), auc=_fmt(metrics.get("eval_auc")),
+        auc_first_token=_fmt(metrics.get("eval_auc_first_token")),
         accuracy=_fmt(metrics.get("eval_accuracy")), ece=_fmt(metrics.get("eval_ece")),
         brier=_fmt(metrics.get("eval_brier")), positive_rate=_fmt(metrics.get("eval_positive_rate")),
         ablations={k: f"{v:.2f}x" for k, v in ablations.items()}, command=command, training_time=training_time,
@@ -204,7 +222,7 @@ def train(args, pair, prompts: list[tuple[str, torch.Tensor]], data_description:
     from tqdm.auto import tqdm
 
     from ..benchmarks.traces import measure_costs
-    from .tuning import oracle_speedup, rule_ablations, tune_pacer
+    from .tuning import best_fixed_length, oracle_speedup, rule_ablations, tune_pacer
 
     state = PartialState(cpu=not torch.cuda.is_available())  # cpu=True: several CPU processes talk over gloo
     out = Path(args.out)
@@ -244,6 +262,8 @@ def train(args, pair, prompts: list[tuple[str, torch.Tensor]], data_description:
     ablations = rule_ablations(candidates)
     if no_pos is not None:
         ablations["no position embedding (re-tuned)"] = tune_pacer(no_pos, eval_traces, costs, args.max_draft)[0].speedup
+    gamma, fixed_speedup = best_fixed_length(eval_traces, costs, args.max_draft)
+    ablations[f"best fixed draft length, no head (gamma = {gamma})"] = fixed_speedup
     ablations["oracle"] = oracle_speedup(eval_traces, costs, args.max_draft)
 
     command = "pacer-train " + " ".join(shlex.quote(a) for a in sys.argv[1:])
@@ -257,7 +277,8 @@ def train(args, pair, prompts: list[tuple[str, torch.Tensor]], data_description:
         head, pair_name=pair.name, target=_describe(pair.target_source), draft=draft_name, base_model=args.base_model,
         repo_id=args.push_to_hub, metrics=metrics, tuned=best, ablations=ablations, data_description=description,
         command=command,
-        training_time=f"traces {timings['traces']:.0f} s, training {timings['training']:.0f} s, tuning {timings['tuning']:.0f} s on {torch.get_num_threads()} CPU threads",
+        training_time=f"{recording_time(out / 'traces', [pid for pid, _ in prompts])}, training {timings['training']:.0f} s, "
+                      f"tuning {timings['tuning']:.0f} s on {torch.get_num_threads()} CPU threads",
     )
     folder = out / "head"
     head.save_pretrained(folder)

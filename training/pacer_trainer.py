@@ -53,6 +53,20 @@ def acceptance_metrics(eval_prediction: EvalPrediction) -> dict[str, float]:
     )
 
 
+def first_token_auc(head, traces) -> float:
+    """AUC of the head's prediction for the first token of a draft, over every draft start of greedy
+    `traces`. The pooled AUC over all draft positions is flattered by position alone (late tokens are
+    rarely accepted); this one measures the decision that matters most: is drafting worth starting."""
+    from ..benchmarks.traces import head_acceptance
+
+    scores, labels = [], []
+    for trace in traces:
+        starts = trace.length - 1  # the last position leaves no budget for a draft
+        scores.append(head_acceptance(head, trace)[:starts, 0])
+        labels.append(trace.match[:starts] >= 1)
+    return roc_auc(torch.cat(scores), torch.cat(labels))
+
+
 class PacerTrainer(Trainer):
     """Trains a `PacerHead` on packed drafts. Pass datasets from `training.data.to_dataset`."""
 

@@ -8,7 +8,7 @@ import itertools
 from dataclasses import dataclass
 
 from ..benchmarks.traces import CostModel, Trace, head_acceptance, oracle, replay
-from ..custom_generate.policies import Pacer
+from ..custom_generate.policies import FixedLength, Pacer
 
 BLOCK_SIZES = (1, 2, 3, 4, 5)
 THRESHOLDS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
@@ -45,6 +45,14 @@ def tune_pacer(head, traces: list[Trace], costs: CostModel, max_draft_length: in
         speedup = replayed_speedup(lambda: Pacer(b, t0, rho, max_draft_length, m), traces, costs, acceptance)
         candidates.append(Candidate(b, t0, rho, m, speedup))
     return sorted(candidates, key=lambda c: -c.speedup)
+
+
+def best_fixed_length(traces: list[Trace], costs: CostModel, max_draft_length: int, longest: int = 8) -> tuple[int, float]:
+    """The reference without a head: the fastest fixed draft length (1..`longest`) on the same traces."""
+    runs = {g: replayed_speedup(lambda: FixedLength(g), traces, costs, [None] * len(traces))
+            for g in range(1, min(longest, max_draft_length) + 1)}
+    g = max(runs, key=runs.get)
+    return g, runs[g]
 
 
 def oracle_speedup(traces: list[Trace], costs: CostModel, max_draft: int) -> float:
