@@ -37,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="evaluate stopping rules on recorded traces (one or more files) instead of running models")
     p.add_argument("--merge", metavar="RESULTS", nargs="+",
                    help="merge results.json files of runs over disjoint prompts (e.g. one run per dataset) into one "
-                        "report; each prompt's ratios stay within the run that measured them")
+                        "report; each prompt's ratios stay within the run that measured them; with --methods, only "
+                        "those methods (exact names)")
     p.add_argument("--quick", action="store_true", help=f"1 prompt per dataset, 32 tokens, methods {QUICK_METHODS}")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--out", default="bench-out", help="output folder for results.json, results.md and PNGs")
@@ -143,12 +144,15 @@ def run_merge(args) -> dict:
     from .report import write_report
 
     parts = [json.loads(Path(path).read_text()) for path in args.merge]
+    if args.methods:  # keep only these methods (e.g. those every run measured)
+        for part in parts:
+            part["records"] = [r for r in part["records"] if r["method"] in args.methods]
     keys = {(r["dataset"], r["prompt_id"]) for part in parts for r in part["oracle"]}
     if len(keys) != sum(len(part["oracle"]) for part in parts):
         raise ValueError("--merge: the runs share prompts; merge only runs over disjoint prompts (e.g. one per dataset).")
     methods = [sorted({r["method"] for r in part["records"]}) for part in parts]
     if any(m != methods[0] for m in methods):
-        raise ValueError(f"--merge: the runs compare different methods: {methods}")
+        raise ValueError(f"--merge: the runs compare different methods: {methods}; keep the common ones with --methods")
     meta = dict(command="pacer-bench " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
                 parts=[part["meta"] for part in parts],
                 max_new_tokens=parts[0]["meta"].get("max_new_tokens"))

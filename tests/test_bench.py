@@ -167,6 +167,7 @@ def _part(tmp_path, name, dataset, target_seconds, fixed_seconds):
 
 def test_merge_runs_split_by_dataset(tmp_path):
     import json
+    from pathlib import Path
 
     from modeling_pacer.benchmarks.cli import main
 
@@ -181,6 +182,19 @@ def test_merge_runs_split_by_dataset(tmp_path):
     assert [p["command"] for p in merged["meta"]["parts"]] == ["pacer-bench --datasets a", "pacer-bench --datasets b"]
     with pytest.raises(ValueError, match="share prompts"):
         main(["--merge", a, a, "--out", str(tmp_path / "twice")])
+    # runs that measured different methods merge only on the common ones, named
+    c = tmp_path / "c" / "results.json"
+    part = json.loads(Path(b).read_text())
+    part["records"] = [dict(r, method="svip") if r["method"] == "fixed-2" else r for r in part["records"]]
+    part["oracle"] = [dict(r, prompt_id="1") for r in part["oracle"]]
+    part["records"] = [dict(r, prompt_id="1") for r in part["records"]]
+    c.parent.mkdir()
+    c.write_text(json.dumps(part))
+    with pytest.raises(ValueError, match="different methods"):
+        main(["--merge", a, str(c), "--out", str(tmp_path / "mixed")])
+    main(["--merge", a, str(c), "--methods", "target", "--out", str(tmp_path / "common")])
+    common = json.loads((tmp_path / "common" / "results.json").read_text())
+    assert {r["method"] for r in common["records"]} == {"target"}
 
 
 def test_replay_cli_over_several_trace_files(setup, tmp_path):
