@@ -109,7 +109,7 @@ def test_card_only_adds_benchmark_figures(tmp_path):
     cli.main(["--card-only", "--out", str(tmp_path / "run"), "--bench-results", str(tmp_path / "results.json")])
     card = (tmp_path / "run" / "head" / "README.md").read_text()
     assert "| pacer | 1.50x | 2.50 | MISMATCH 1/3 |" in card and "9.9" not in card
-    assert "Command: `pacer-bench --n 1`" in card
+    assert "pacer-bench --n 1\n" in card
     assert card.split("## Speed")[0] == before.split("## Speed")[0]  # nothing else changed
 
 

@@ -175,9 +175,12 @@ def speed_section(bench: dict | None) -> str:
         lossless = "yes" if r["mismatches"] == 0 else f"MISMATCH {r['mismatches']}/{r['prompts']}"
         lines.append(f"| {r['method']} | {r['speedup']:.2f}x | {r['tau']:.2f} | {lossless} |")
     prompts = max((r["prompts"] for r in rows), default=0)
-    return (f"Measured live by `pacer-bench` on this CPU ({prompts} prompts over all datasets, "
+    datasets = ", ".join(dict.fromkeys(r["dataset"] for r in bench["summary"] if r["dataset"] != "all"))
+    # a merged report (`pacer-bench --merge`) keeps the command of every run it merged
+    commands = [part["command"] for part in bench["meta"].get("parts", [])] + [bench["meta"].get("command")]
+    return (f"Measured live by `pacer-bench` on this CPU ({prompts} prompts: {datasets}; "
             f"{bench['meta'].get('max_new_tokens')} new tokens, greedy), every method interleaved per prompt:\n\n"
-            + "\n".join(lines) + f"\n\nCommand: `{bench['meta'].get('command')}`")
+            + "\n".join(lines) + "\n\nCommands:\n\n```bash\n" + "\n".join(commands) + "\n```")
 
 
 def render_card(folder: Path, fields: dict, bench: dict | None = None) -> Path:
