@@ -1,0 +1,148 @@
+"""The PACER pre-verification head: draft hidden states in, one acceptance logit per draft token out.
+
+This file travels with heads published on the Hub (``trust_remote_code``): it imports only
+``torch``, ``transformers`` and its sibling ``configuration_pacer``.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.utils import ModelOutput
+
+from .configuration_pacer import PacerConfig
+
+
+@dataclass
+class PacerHeadOutput(ModelOutput):
+    """
+    Args:
+        loss (`torch.FloatTensor` of shape `()`, *optional*): binary cross-entropy against `labels`.
+        logits (`torch.FloatTensor` of shape `(batch, draft_len)`): acceptance logits; `sigmoid` gives
+            the predicted probability that the target accepts the token and every draft token before it.
+    """
+
+    loss: torch.FloatTensor | None = None
+    logits: torch.FloatTensor | None = None
+
+
+class PacerPreTrainedModel(PreTrainedModel):
+    config_class = PacerConfig
+    base_model_prefix = "pacer"
+    main_input_name = "hidden_states"
+    _no_split_modules = []
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+
+
+class PacerHead(PacerPreTrainedModel):
+    r"""
+    The pre-verification head M_B of PACER.
+
+    `draft hidden state -> Linear -> (+ draft-position embedding) -> one causal transformer layer
+    -> LayerNorm -> Linear -> one logit`. The layer attends causally *inside one draft*: token i of a
+    draft sees tokens 0..i of the same draft, never the prompt (the draft's hidden states already
+    summarise it) and never another draft packed in the same training row.
+    """
+
+    def __init__(self, config: PacerConfig):
+        super().__init__(config)
+        self.input_proj = nn.Linear(config.draft_hidden_size, config.hidden_size)
+        self.position_embedding = (
+            nn.Embedding(config.max_draft_length, config.hidden_size) if config.use_position_embedding else None
+        )
+        self.layer = nn.TransformerEncoderLayer(
+            d_model=config.hidden_size,
+            nhead=config.num_attention_heads,
+            dim_feedforward=config.intermediate_size,
+            dropout=config.dropout,
+            activation="gelu",
+            batch_first=True,
+            norm_first=True,
+        )
+        self.norm = nn.LayerNorm(config.hidden_size)
+        self.classifier = nn.Linear(config.hidden_size, 1)
+        self.post_init()
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        draft_positions: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        **kwargs,
+    ) -> PacerHeadOutput:
+        r"""
+        Args:
+            hidden_states (`torch.Tensor` of shape `(batch, draft_len, draft_hidden_size)`): the draft's
+                last hidden state at the position that produced each draft token.
+            draft_positions (`torch.LongTensor` of shape `(batch, draft_len)`, *optional*): each token's
+                index inside its own draft (0 for the first drafted token). Defaults to `0..draft_len-1`.
+            attention_mask (`torch.Tensor` of shape `(batch, draft_len, draft_len)`, *optional*): `True`
+                where token i may attend to token j. Defaults to causal. Packed training rows pass a
+                block-diagonal causal mask here.
+            labels (`torch.Tensor` of shape `(batch, draft_len)`, *optional*): 1 accepted, 0 rejected, or a
+                soft acceptance probability; entries < 0 are ignored.
+        """
+        if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.config.draft_hidden_size:
+            raise ValueError(
+                f"PacerHead expects hidden_states of shape (batch, draft_len, {self.config.draft_hidden_size}), "
+                f"got {tuple(hidden_states.shape)}: the head was built for a draft with hidden size "
+                f"{self.config.draft_hidden_size}."
+            )
+        batch, length, _ = hidden_states.shape
+        device = hidden_states.device
+        x = self.input_proj(hidden_states.to(self.input_proj.weight.dtype))
+
+        if self.position_embedding is not None:
+            if draft_positions is None:
+                draft_positions = torch.arange(length, device=device).expand(batch, length)
+            if draft_positions.max() >= self.config.max_draft_length:
+                raise ValueError(
+                    f"draft position {int(draft_positions.max())} is beyond the head's max_draft_length "
+                    f"({self.config.max_draft_length})."
+                )
+            x = x + self.position_embedding(draft_positions)
+
+        if attention_mask is None:
+            allowed = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+            blocked = ~allowed  # torch's convention: True = may NOT attend
+        else:
+            # the diagonal is always allowed, so padding rows never see an all-masked softmax (NaN)
+            allowed = attention_mask.bool() | torch.eye(length, dtype=torch.bool, device=device)
+            blocked = (~allowed).repeat_interleave(self.config.num_attention_heads, dim=0)
+        x = self.layer(x, src_mask=blocked)
+        logits = self.classifier(self.norm(x)).squeeze(-1)
+
+        loss = None
+        if labels is not None:
+            keep = labels >= 0
+            loss = nn.functional.binary_cross_entropy_with_logits(
+                logits[keep].float(), labels[keep].to(torch.float32)
+            )
+        return PacerHeadOutput(loss=loss, logits=logits)
+
+    @torch.no_grad()
+    def acceptance_probabilities(
+        self, hidden_states: torch.Tensor, draft_positions: torch.LongTensor | None = None
+    ) -> torch.Tensor:
+        """`(batch, draft_len, draft_hidden_size) -> (batch, draft_len)` predicted P(accept), for decoding."""
+        return torch.sigmoid(self(hidden_states, draft_positions=draft_positions).logits.float())
+
+
+PacerConfig.register_for_auto_class()
+PacerHead.register_for_auto_class("AutoModel")
+
+__all__ = ["PacerConfig", "PacerHead", "PacerHeadOutput", "PacerPreTrainedModel"]
