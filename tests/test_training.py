@@ -130,3 +130,28 @@ def test_first_token_auc_reads_only_first_positions():
 
     assert first_token_auc(head(first), [trace]) == 1.0
     assert first_token_auc(head(1 - first), [trace]) == 0.0
+
+
+def test_tuned_rule_is_never_worse_than_a_fixed_length_it_can_express():
+    """The grid holds fixed lengths 1-5 (t0 = 1.0); with free head calls the tuned rule matches or beats them."""
+    from modeling_pacer import PacerConfig, PacerHead
+    from modeling_pacer.benchmarks.traces import CostModel, Trace
+    from modeling_pacer.training.tuning import best_fixed_length, tune_pacer
+
+    g = torch.Generator().manual_seed(0)
+    n, max_draft = 60, 6
+    match = torch.randint(0, 7, (n,), generator=g).clamp(max=max_draft)
+    trace = Trace("d", "p", match, token_probs=torch.rand(n, max_draft, generator=g),
+                  entropies=torch.rand(n, max_draft, generator=g),
+                  hidden=torch.randn(n, max_draft, 8, generator=g).half())
+    head = PacerHead(PacerConfig(draft_hidden_size=8, hidden_size=16, num_attention_heads=2, intermediate_size=32,
+                                 max_draft_length=max_draft)).eval()
+    with torch.no_grad():  # a head that is always nearly sure (p = 0.993): only t0 = 1.0 stops it at once
+        head.classifier.weight.zero_()
+        head.classifier.bias.fill_(5.0)
+    costs = CostModel({k: float(k) for k in range(1, 8)}, 0.1, 0.0)  # linear: one draft token is best
+    gamma, fixed = best_fixed_length([trace], costs, max_draft, longest=5)
+    assert gamma == 1
+    best = tune_pacer(head, [trace], costs, max_draft)[0]
+    assert best.speedup >= fixed - 1e-9
+    assert (best.threshold, best.block_size, best.first_block_size) == (1.0, 1, 0)
