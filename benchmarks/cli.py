@@ -116,8 +116,7 @@ def run_replay(args) -> dict:
     recorded = []
     for path in args.replay:
         saved = torch.load(path, weights_only=False)
-        costs = saved["costs"]
-        costs = CostModel(**{**costs, "target_forward": {int(k): v for k, v in costs["target_forward"].items()}})
+        costs = CostModel.from_dict(saved["costs"])
         recorded += [(trace, costs) for trace in saved["traces"]]
     head = _load_head(args.head)
     methods = [m for m in _available_methods(args, head) if m.policy is not None]

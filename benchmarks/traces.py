@@ -40,6 +40,11 @@ class CostModel:
     def to_dict(self) -> dict:
         return {"target_forward": self.target_forward, "draft_forward": self.draft_forward, "head_call": self.head_call}
 
+    @classmethod
+    def from_dict(cls, data: dict) -> "CostModel":
+        """The inverse of `to_dict`, also after a JSON round trip (which turns the token counts into strings)."""
+        return cls({int(k): v for k, v in data["target_forward"].items()}, data["draft_forward"], data.get("head_call", 0.0))
+
 
 def _median_seconds(fn, repeats: int) -> float:
     fn()  # warm-up, excluded

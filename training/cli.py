@@ -104,6 +104,14 @@ def recording_time(trace_dir: Path, prompt_ids) -> str:
     return f"traces {sum(timed):.0f} s for {len(timed)} prompts, {len(paths) - len(timed)} more recorded without timing"
 
 
+def _process_state():
+    """accelerate's view of this process (one process unless launched distributed); `cpu=True` without a
+    GPU, so that several CPU processes talk over gloo."""
+    from accelerate import PartialState
+
+    return PartialState(cpu=not torch.cuda.is_available())
+
+
 def traces_to_dataset(traces):
     from datasets import concatenate_datasets
 
@@ -221,13 +229,12 @@ def train(args, pair, prompts: list[tuple[str, torch.Tensor]], data_description:
     (every `num_processes`-th), the `Trainer` trains data-parallel, and the main process alone measures
     costs, tunes, writes the folder and pushes; the others return `{}`.
     """
-    from accelerate import PartialState
     from tqdm.auto import tqdm
 
     from ..benchmarks.traces import measure_costs
     from .tuning import best_fixed_length, oracle_speedup, rule_ablations, tune_pacer
 
-    state = PartialState(cpu=not torch.cuda.is_available())  # cpu=True: several CPU processes talk over gloo
+    state = _process_state()
     out = Path(args.out)
     n_eval = max(1, round(len(prompts) * args.eval_fraction))
     timings = {}
@@ -296,8 +303,6 @@ def train(args, pair, prompts: list[tuple[str, torch.Tensor]], data_description:
 
 
 def main(argv=None) -> int:
-    from accelerate import PartialState
-
     from modeling_pacer.pairs import pair_from_args
     from modeling_pacer.prompts import apply_chat_template
 
@@ -313,7 +318,7 @@ def main(argv=None) -> int:
         args.base_model = DEFAULT_DRAFT_HUB_ID
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = PartialState(cpu=not torch.cuda.is_available()).device  # under `accelerate launch`: this process's GPU
+    device = _process_state().device  # under `accelerate launch`: this process's GPU
     pair = pair_from_args(args, device_map=None if device.type == "cpu" else {"": device})
     pattern = CODE_AND_MATHS if args.prompt_filter == "CODE_AND_MATHS" else args.prompt_filter
     rows = load_sharegpt_prompts(args.n, skip=args.skip, pattern=pattern)

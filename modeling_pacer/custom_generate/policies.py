@@ -242,8 +242,8 @@ class Pacer(StoppingPolicy):
         k = draft.length
         if k < first or (k - first) % self.block_size != 0:
             return None
-        p = draft.acceptance()
-        block_mean = float(p[k - first if k == first else k - self.block_size :].mean())
+        block_start = 0 if k == first else k - self.block_size
+        block_mean = float(draft.acceptance()[block_start:].mean())
         if block_mean < self._t:
             return "head"
         self._t *= self.growth
