@@ -5,8 +5,19 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 
+def _share(rs: list[dict], key: str, seconds: float) -> float | None:
+    """The fraction of `seconds` spent in `key` (e.g. the target's forwards), or None where a record
+    lacks it (results written before forwards were timed)."""
+    values = [r.get(key) for r in rs]
+    return None if any(v is None for v in values) else sum(values) / seconds
+
+
 def summarize(records: list[dict], oracle_rows: list[dict]) -> list[dict]:
-    """One row per (dataset, method), plus dataset "all". Ratios of sums over prompts."""
+    """One row per (dataset, method), plus dataset "all". Ratios of sums over prompts.
+
+    Where the time goes: `target_share` and `draft_share` (inside the models' forwards), `head_share`
+    (PACER's and SpecDec++'s heads), `other_share` (the rest: the decoding loop's own work).
+    """
     by_key = defaultdict(list)
     for r in records:
         by_key[(r["dataset"], r["method"])].append(r)
@@ -27,12 +38,15 @@ def summarize(records: list[dict], oracle_rows: list[dict]) -> list[dict]:
         tokens = sum(r["new_tokens"] for r in rs)
         speedup = target_seconds / seconds
         mismatches = sum(not r["matches_target"] for r in rs)
+        head_share = sum(r["head_seconds"] for r in rs) / seconds
+        target_share, draft_share = _share(rs, "target_seconds", seconds), _share(rs, "draft_seconds", seconds)
+        other_share = None if None in (target_share, draft_share) else 1.0 - target_share - draft_share - head_share
         rows.append(dict(
             dataset=dataset, method=method, prompts=len(rs), speedup=speedup, tokens_per_s=tokens / seconds,
             tau=tokens / max(1, sum(r["target_forwards"] for r in rs)),
             target_forwards_per_token=sum(r["target_forwards"] for r in rs) / tokens,
             draft_forwards_per_token=sum(r["draft_forwards"] for r in rs) / tokens,
-            head_share=sum(r["head_seconds"] for r in rs) / seconds,
+            target_share=target_share, draft_share=draft_share, head_share=head_share, other_share=other_share,
             of_oracle=speedup / oracle_speedup[dataset] if dataset in oracle_speedup else None,
             mismatches=mismatches,
         ))
@@ -44,7 +58,7 @@ def summarize(records: list[dict], oracle_rows: list[dict]) -> list[dict]:
             dataset=dataset, method="oracle (replay)", prompts=len(rs), speedup=speedup, tokens_per_s=None,
             tau=tokens / max(1, steps), target_forwards_per_token=steps / tokens,
             draft_forwards_per_token=sum(sum(r["draft_lengths"]) for r in rs) / tokens,
-            head_share=0.0, of_oracle=1.0, mismatches=0,
+            target_share=None, draft_share=None, head_share=0.0, other_share=None, of_oracle=1.0, mismatches=0,
         ))
     order = {m: i for i, m in enumerate(dict.fromkeys(r["method"] for r in records))}
     order["oracle (replay)"] = len(order)
@@ -56,9 +70,15 @@ def _fmt(value, pattern: str) -> str:
     return "–" if value is None else format(value, pattern)
 
 
+def _time_shares(row: dict) -> str:
+    return " / ".join(_fmt(row.get(key), pattern) for key, pattern in
+                      [("target_share", ".0%"), ("draft_share", ".0%"), ("head_share", ".1%"), ("other_share", ".0%")])
+
+
 def markdown_table(summary: list[dict]) -> str:
     lines = [
-        "| dataset | method | speedup | tokens/s | τ (tokens / target fwd) | target fwd / token | draft fwd / token | head time | of oracle | lossless |",
+        "| dataset | method | speedup | tokens/s | τ (tokens / target fwd) | target fwd / token | draft fwd / token | "
+        "time in target / draft / head / other | of oracle | lossless |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in summary:
@@ -66,7 +86,7 @@ def markdown_table(summary: list[dict]) -> str:
         lines.append(
             f"| {r['dataset']} | {r['method']} | {r['speedup']:.2f}x | {_fmt(r['tokens_per_s'], '.2f')} | "
             f"{r['tau']:.2f} | {r['target_forwards_per_token']:.2f} | {r['draft_forwards_per_token']:.2f} | "
-            f"{r['head_share']:.1%} | {_fmt(r['of_oracle'], '.0%')} | {lossless} |"
+            f"{_time_shares(r)} | {_fmt(r['of_oracle'], '.0%')} | {lossless} |"
         )
     return "\n".join(lines) + "\n"
 

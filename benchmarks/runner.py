@@ -1,8 +1,10 @@
 """The live benchmark: methods interleaved per prompt, warm-up excluded, every output checked against
-the target alone, forwards counted with hooks so that transformers' own methods are counted too."""
+the target alone, forwards counted and timed with hooks so that transformers' own methods are measured too."""
 
 import time
 from dataclasses import asdict, dataclass, field
+
+import torch
 
 from .methods import Method, run_method
 from .traces import CostModel, Trace, oracle, record_match
@@ -21,6 +23,10 @@ class Record:
     draft_forwards: int
     matches_target: bool
     head_seconds: float = 0.0
+    # wall time inside the target's and the draft's forward calls; the rest of `seconds` minus
+    # `head_seconds` is the decoding loop's own overhead (sampling, cache crops, Python)
+    target_seconds: float | None = None
+    draft_seconds: float | None = None
     draft_lengths: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
 
@@ -28,26 +34,44 @@ class Record:
         return asdict(self)
 
 
-class ForwardCounter:
-    """Counts forward calls of a module (a hook, so it sees transformers' internal calls too)."""
+class ForwardMeter:
+    """Counts and times the forward calls of a module with hooks, so it sees transformers' internal calls
+    too. On CUDA it synchronizes before and after each forward, so the time is the forward's and not its
+    launch's (this costs every method alike, a little)."""
 
     def __init__(self, module):
         self.count = 0
-        self._handle = module.register_forward_hook(self._hook)
+        self.seconds = 0.0
+        self._started: list[float] = []  # a stack: a forward may run inside another module's forward
+        device = next(module.parameters()).device
+        self._sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+        self._handles = [module.register_forward_pre_hook(self._pre), module.register_forward_hook(self._post)]
 
-    def _hook(self, *args):
+    def _pre(self, *args):
+        self._sync()
+        self._started.append(time.perf_counter())
+
+    def _post(self, *args):
+        self._sync()
+        self.seconds += time.perf_counter() - self._started.pop()
         self.count += 1
 
+    def reading(self) -> tuple[int, float]:
+        return self.count, self.seconds
+
     def remove(self):
-        self._handle.remove()
+        for handle in self._handles:
+            handle.remove()
 
 
-def _timed(method: Method, target, draft, head, input_ids, max_new_tokens, counters):
-    before = [c.count for c in counters]
+def _timed(method: Method, target, draft, head, input_ids, max_new_tokens, meters):
+    """Run one method once: `(sequences, stats, seconds, [(forwards, forward seconds) per meter])`."""
+    before = [m.reading() for m in meters]
     start = time.perf_counter()
     sequences, stats = run_method(method, target, draft, head, input_ids, max_new_tokens)
     seconds = time.perf_counter() - start
-    return sequences, stats, seconds, [c.count - b for c, b in zip(counters, before)]
+    used = [(m.count - n, m.seconds - t) for m, (n, t) in zip(meters, before)]
+    return sequences, stats, seconds, used
 
 
 def run_live(pair, head, methods: list[Method], prompts, max_new_tokens: int, progress=None, oracle_max_draft=8):
@@ -59,22 +83,22 @@ def run_live(pair, head, methods: list[Method], prompts, max_new_tokens: int, pr
     target, draft = pair.target, pair.draft
     if not any(m.name == "target" for m in methods):
         raise ValueError("The benchmark needs the 'target' method: every speedup is relative to it.")
-    counters = [ForwardCounter(target), ForwardCounter(draft)]
+    meters = [ForwardMeter(target), ForwardMeter(draft)]
     try:
         # warm-up (excluded): every method once, on the first prompt, a few tokens
         for method in methods:
-            _timed(method, target, draft, head, prompts[0][2], min(8, max_new_tokens), counters)
+            _timed(method, target, draft, head, prompts[0][2], min(8, max_new_tokens), meters)
         records, traces = [], []
         for j, (dataset, prompt_id, input_ids) in enumerate(prompts):
             order = methods[j % len(methods):] + methods[: j % len(methods)]  # rotate: no method always first
             results = {}
             for method in order:
-                results[method.name] = _timed(method, target, draft, head, input_ids, max_new_tokens, counters)
+                results[method.name] = _timed(method, target, draft, head, input_ids, max_new_tokens, meters)
                 if progress is not None:
                     progress.update(1)
             reference = results["target"][0]
             for method in methods:
-                sequences, stats, seconds, (target_fw, draft_fw) = results[method.name]
+                sequences, stats, seconds, ((target_fw, target_s), (draft_fw, draft_s)) = results[method.name]
                 records.append(Record(
                     dataset, prompt_id, method.name, seconds,
                     new_tokens=sequences.shape[1] - input_ids.shape[1],
@@ -83,12 +107,13 @@ def run_live(pair, head, methods: list[Method], prompts, max_new_tokens: int, pr
                     head_seconds=stats.head_time if stats else 0.0,
                     draft_lengths=[s.drafted for s in stats.steps] if stats else [],
                     accepted=[s.accepted for s in stats.steps] if stats else [],
+                    target_seconds=target_s, draft_seconds=draft_s,
                 ))
             output = reference[0, input_ids.shape[1]:].cpu()
             traces.append(record_match(draft, input_ids, output, oracle_max_draft, dataset, prompt_id))
     finally:
-        for c in counters:
-            c.remove()
+        for m in meters:
+            m.remove()
     return records, traces
 
 

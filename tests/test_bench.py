@@ -9,7 +9,7 @@ import torch
 from modeling_pacer.benchmarks import runner
 from modeling_pacer.benchmarks.cli import build_parser
 from modeling_pacer.benchmarks.methods import all_methods, run_method, select_methods
-from modeling_pacer.benchmarks.report import summarize, write_report
+from modeling_pacer.benchmarks.report import markdown_table, summarize, write_report
 from modeling_pacer.benchmarks.traces import CostModel, oracle, record_match, record_trace, replay
 
 from conftest import VOCAB, make_head, make_pair
@@ -43,10 +43,12 @@ def test_live_run_counts_and_checks_every_method(setup):
         assert r.matches_target, r.method
         assert r.new_tokens == NEW and r.seconds > 0
         assert r.target_forwards >= 1
+        # the forwards' own time is measured by hooks and fits inside the run's wall time
+        assert r.target_seconds > 0 and r.target_seconds + r.draft_seconds + r.head_seconds < r.seconds
         if r.method == "target":
-            assert r.target_forwards == NEW and r.draft_forwards == 0
+            assert r.target_forwards == NEW and r.draft_forwards == 0 and r.draft_seconds == 0
         else:
-            assert r.draft_forwards > 0 and r.target_forwards < NEW + 1
+            assert r.draft_forwards > 0 and r.target_forwards < NEW + 1 and r.draft_seconds > 0
     pacer = [r for r in records if r.method == "pacer"]
     assert all(r.head_seconds > 0 and sum(r.accepted) + len(r.accepted) == NEW for r in pacer)
 
@@ -127,6 +129,16 @@ def test_summary_ratios():
     assert rows[("d", "oracle (replay)")]["speedup"] == 4.0
     assert rows[("d", "fixed-2")]["of_oracle"] == 0.5
     assert rows[("all", "target")]["speedup"] == 1.0
+    # records from before forwards were timed: no breakdown, shown as such, never as 0%
+    assert rows[("d", "fixed-2")]["target_share"] is None and rows[("d", "fixed-2")]["other_share"] is None
+    assert "| – / – / 0.0% / – |" in markdown_table(list(rows.values()))
+    timed = [dict(r, target_seconds=s, draft_seconds=d, head_seconds=h)
+             for r, (s, d, h) in zip(records, [(3.0, 0.0, 0.0), (1.0, 0.5, 0.1)])]
+    rows = {(r["dataset"], r["method"]): r for r in summarize(timed, oracle_rows)}
+    fixed = rows[("d", "fixed-2")]
+    assert (fixed["target_share"], fixed["draft_share"], fixed["head_share"]) == (0.5, 0.25, 0.05)
+    assert fixed["other_share"] == pytest.approx(0.2)
+    assert "| 50% / 25% / 5.0% / 20% |" in markdown_table([fixed])
 
 
 def test_cli_help():
