@@ -129,16 +129,18 @@ def test_summary_ratios():
     assert rows[("d", "oracle (replay)")]["speedup"] == 4.0
     assert rows[("d", "fixed-2")]["of_oracle"] == 0.5
     assert rows[("all", "target")]["speedup"] == 1.0
-    # records from before forwards were timed: no breakdown, shown as such, never as 0%
+    # records from before forwards were timed: no breakdown (never a made-up 0%), the head's share alone
     assert rows[("d", "fixed-2")]["target_share"] is None and rows[("d", "fixed-2")]["other_share"] is None
-    assert "| – / – / 0.0% / – |" in markdown_table(list(rows.values()))
+    table = markdown_table(list(rows.values()))
+    assert "| head time |" in table and "target / draft" not in table and "| 0.0% |" in table
     timed = [dict(r, target_seconds=s, draft_seconds=d, head_seconds=h)
              for r, (s, d, h) in zip(records, [(3.0, 0.0, 0.0), (1.0, 0.5, 0.1)])]
     rows = {(r["dataset"], r["method"]): r for r in summarize(timed, oracle_rows)}
     fixed = rows[("d", "fixed-2")]
     assert (fixed["target_share"], fixed["draft_share"], fixed["head_share"]) == (0.5, 0.25, 0.05)
     assert fixed["other_share"] == pytest.approx(0.2)
-    assert "| 50% / 25% / 5.0% / 20% |" in markdown_table([fixed])
+    table = markdown_table(list(rows.values()))
+    assert "| 50% / 25% / 5.0% / 20% |" in table and "| – / – / 0.0% / – |" in table  # the oracle's row
 
 
 def test_cli_help():
