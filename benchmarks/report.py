@@ -1,6 +1,7 @@
 """Summaries, the Markdown table, the JSON file and the plots of a benchmark run."""
 
 import json
+import random
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -12,9 +13,28 @@ def _share(rs: list[dict], key: str, seconds: float) -> float | None:
     return None if any(v is None for v in values) else sum(values) / seconds
 
 
+def speedup_interval(pairs: list[tuple[float, float]], resamples: int = 2000, seed: int = 0) -> tuple[float, float] | None:
+    """95% percentile-bootstrap interval of a speedup over prompts.
+
+    `pairs`: per prompt `(seconds of the target alone, seconds of the method)`. The speedup is a ratio
+    of sums, so each resample draws prompts with replacement, keeping each prompt's two times
+    together (both were measured on the same prompt in the same run). None below two prompts.
+    """
+    if len(pairs) < 2:
+        return None
+    rng = random.Random(seed)  # the same interval every time the report is written
+    ratios = []
+    for _ in range(resamples):
+        sample = rng.choices(pairs, k=len(pairs))
+        ratios.append(sum(t for t, _ in sample) / sum(m for _, m in sample))
+    ratios.sort()
+    return ratios[int(0.025 * resamples)], ratios[int(0.975 * resamples) - 1]
+
+
 def summarize(records: list[dict], oracle_rows: list[dict]) -> list[dict]:
     """One row per (dataset, method), plus dataset "all". Ratios of sums over prompts.
 
+    `speedup_ci`: the 95% bootstrap interval over prompts (None below two prompts).
     Where the time goes: `target_share` and `draft_share` (inside the models' forwards), `head_share`
     (PACER's and SpecDec++'s heads), `other_share` (the rest: the decoding loop's own work).
     """
@@ -34,6 +54,8 @@ def summarize(records: list[dict], oracle_rows: list[dict]) -> list[dict]:
     rows = []
     for (dataset, method), rs in by_key.items():
         target_seconds = sum(r["seconds"] for r in by_key[(dataset, "target")])
+        alone = {(r["dataset"], r["prompt_id"]): r["seconds"] for r in by_key[(dataset, "target")]}
+        interval = speedup_interval([(alone[(r["dataset"], r["prompt_id"])], r["seconds"]) for r in rs])
         seconds = sum(r["seconds"] for r in rs)
         tokens = sum(r["new_tokens"] for r in rs)
         speedup = target_seconds / seconds
@@ -42,7 +64,8 @@ def summarize(records: list[dict], oracle_rows: list[dict]) -> list[dict]:
         target_share, draft_share = _share(rs, "target_seconds", seconds), _share(rs, "draft_seconds", seconds)
         other_share = None if None in (target_share, draft_share) else 1.0 - target_share - draft_share - head_share
         rows.append(dict(
-            dataset=dataset, method=method, prompts=len(rs), speedup=speedup, tokens_per_s=tokens / seconds,
+            dataset=dataset, method=method, prompts=len(rs), speedup=speedup, speedup_ci=interval,
+            tokens_per_s=tokens / seconds,
             tau=tokens / max(1, sum(r["target_forwards"] for r in rs)),
             target_forwards_per_token=sum(r["target_forwards"] for r in rs) / tokens,
             draft_forwards_per_token=sum(r["draft_forwards"] for r in rs) / tokens,
@@ -55,7 +78,8 @@ def summarize(records: list[dict], oracle_rows: list[dict]) -> list[dict]:
         tokens = sum(r["new_tokens"] for r in rs)
         steps = sum(len(r["draft_lengths"]) for r in rs)
         rows.append(dict(
-            dataset=dataset, method="oracle (replay)", prompts=len(rs), speedup=speedup, tokens_per_s=None,
+            dataset=dataset, method="oracle (replay)", prompts=len(rs), speedup=speedup,
+            speedup_ci=speedup_interval([(r["target_alone_seconds"], r["seconds"]) for r in rs]), tokens_per_s=None,
             tau=tokens / max(1, steps), target_forwards_per_token=steps / tokens,
             draft_forwards_per_token=sum(sum(r["draft_lengths"]) for r in rs) / tokens,
             target_share=None, draft_share=None, head_share=0.0, other_share=None, of_oracle=1.0, mismatches=0,
@@ -70,6 +94,11 @@ def _fmt(value, pattern: str) -> str:
     return "–" if value is None else format(value, pattern)
 
 
+def _speedup(row: dict) -> str:
+    interval = row.get("speedup_ci")
+    return f"{row['speedup']:.2f}x" + ("" if interval is None else f" ({interval[0]:.2f}-{interval[1]:.2f})")
+
+
 def _time_shares(row: dict) -> str:
     return " / ".join(_fmt(row.get(key), pattern) for key, pattern in
                       [("target_share", ".0%"), ("draft_share", ".0%"), ("head_share", ".1%"), ("other_share", ".0%")])
@@ -80,7 +109,7 @@ def markdown_table(summary: list[dict]) -> str:
     timed = any(r.get("target_share") is not None for r in summary)
     time_header = "time in target / draft / head / other" if timed else "head time"
     lines = [
-        "| dataset | method | speedup | tokens/s | τ (tokens / target fwd) | target fwd / token | draft fwd / token | "
+        "| dataset | method | speedup (95% CI over prompts) | tokens/s | τ (tokens / target fwd) | target fwd / token | draft fwd / token | "
         f"{time_header} | of oracle | lossless |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -88,7 +117,7 @@ def markdown_table(summary: list[dict]) -> str:
         lossless = "yes" if r["mismatches"] == 0 else f"**MISMATCH {r['mismatches']}/{r['prompts']}**"
         time = _time_shares(r) if timed else f"{r['head_share']:.1%}"
         lines.append(
-            f"| {r['dataset']} | {r['method']} | {r['speedup']:.2f}x | {_fmt(r['tokens_per_s'], '.2f')} | "
+            f"| {r['dataset']} | {r['method']} | {_speedup(r)} | {_fmt(r['tokens_per_s'], '.2f')} | "
             f"{r['tau']:.2f} | {r['target_forwards_per_token']:.2f} | {r['draft_forwards_per_token']:.2f} | "
             f"{time} | {_fmt(r['of_oracle'], '.0%')} | {lossless} |"
         )

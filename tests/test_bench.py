@@ -9,7 +9,7 @@ import torch
 from modeling_pacer.benchmarks import runner
 from modeling_pacer.benchmarks.cli import build_parser
 from modeling_pacer.benchmarks.methods import all_methods, run_method, select_methods
-from modeling_pacer.benchmarks.report import markdown_table, summarize, write_report
+from modeling_pacer.benchmarks.report import markdown_table, speedup_interval, summarize, write_report
 from modeling_pacer.benchmarks.traces import CostModel, oracle, record_match, record_trace, replay
 
 from conftest import VOCAB, make_head, make_pair
@@ -141,6 +141,24 @@ def test_summary_ratios():
     assert fixed["other_share"] == pytest.approx(0.2)
     table = markdown_table(list(rows.values()))
     assert "| 50% / 25% / 5.0% / 20% |" in table and "| – / – / 0.0% / – |" in table  # the oracle's row
+
+
+def test_speedup_interval_over_prompts():
+    # two prompts, 2x and 3x: resamples can only give 2, 2.5 or 3
+    low, high = speedup_interval([(4.0, 2.0), (6.0, 2.0)])
+    assert 2.0 <= low <= 2.5 <= high <= 3.0 and low < high
+    assert speedup_interval([(4.0, 2.0), (6.0, 2.0)]) == (low, high)  # seeded: reports are reproducible
+    assert speedup_interval([(4.0, 2.0)]) is None
+    # each prompt's pair stays together: equal ratios on every prompt give no spread at all
+    assert speedup_interval([(4.0, 2.0), (40.0, 20.0), (1.0, 0.5)]) == (2.0, 2.0)
+    records = [
+        dict(dataset="d", prompt_id=str(i), method=method, seconds=seconds, new_tokens=8, target_forwards=8,
+             draft_forwards=0, matches_target=True, head_seconds=0.0, draft_lengths=[], accepted=[])
+        for i, (alone, fast) in enumerate([(4.0, 2.0), (6.0, 2.0)]) for method, seconds in [("target", alone), ("m", fast)]
+    ]
+    rows = {(r["dataset"], r["method"]): r for r in summarize(records, [])}
+    assert rows[("d", "m")]["speedup_ci"] == (low, high) and rows[("d", "m")]["speedup"] == 2.5
+    assert f"| 2.50x ({low:.2f}-{high:.2f}) |" in markdown_table(list(rows.values()))
 
 
 def test_cli_help():
