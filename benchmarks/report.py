@@ -94,7 +94,8 @@ def _fmt(value, pattern: str) -> str:
     return "–" if value is None else format(value, pattern)
 
 
-def _speedup(row: dict) -> str:
+def format_speedup(row: dict) -> str:
+    """A summary row's speedup, with its 95% interval where it has one: `1.56x (1.46-1.65)`."""
     interval = row.get("speedup_ci")
     return f"{row['speedup']:.2f}x" + ("" if interval is None else f" ({interval[0]:.2f}-{interval[1]:.2f})")
 
@@ -117,7 +118,7 @@ def markdown_table(summary: list[dict]) -> str:
         lossless = "yes" if r["mismatches"] == 0 else f"**MISMATCH {r['mismatches']}/{r['prompts']}**"
         time = _time_shares(r) if timed else f"{r['head_share']:.1%}"
         lines.append(
-            f"| {r['dataset']} | {r['method']} | {_speedup(r)} | {_fmt(r['tokens_per_s'], '.2f')} | "
+            f"| {r['dataset']} | {r['method']} | {format_speedup(r)} | {_fmt(r['tokens_per_s'], '.2f')} | "
             f"{r['tau']:.2f} | {r['target_forwards_per_token']:.2f} | {r['draft_forwards_per_token']:.2f} | "
             f"{time} | {_fmt(r['of_oracle'], '.0%')} | {lossless} |"
         )

@@ -101,6 +101,7 @@ def test_card_only_adds_benchmark_figures(tmp_path):
     bench = dict(meta=dict(command="pacer-bench --n 1", max_new_tokens=24), summary=[
         dict(dataset="all", method="target", prompts=3, speedup=1.0, tau=1.0, mismatches=0),
         dict(dataset="all", method="pacer", prompts=3, speedup=1.5, tau=2.5, mismatches=1),
+        dict(dataset="all", method="svip", prompts=3, speedup=1.25, speedup_ci=[1.1, 1.4], tau=2.0, mismatches=0),
         dict(dataset="toy", method="pacer", prompts=3, speedup=9.9, tau=2.5, mismatches=0),
     ])
     (tmp_path / "results.json").write_text(json.dumps(bench))
@@ -109,6 +110,7 @@ def test_card_only_adds_benchmark_figures(tmp_path):
     cli.main(["--card-only", "--out", str(tmp_path / "run"), "--bench-results", str(tmp_path / "results.json")])
     card = (tmp_path / "run" / "head" / "README.md").read_text()
     assert "| pacer | 1.50x | 2.50 | MISMATCH 1/3 |" in card and "9.9" not in card
+    assert "| svip | 1.25x (1.10-1.40) | 2.00 | yes |" in card
     assert "pacer-bench --n 1\n" in card
     assert card.split("## Speed")[0] == before.split("## Speed")[0]  # nothing else changed
 

@@ -177,11 +177,14 @@ def speed_section(bench: dict | None) -> str:
     datasets), or a pointer when no benchmark of this head was given."""
     if not bench:
         return "No live benchmark of this head was given to the card (`--bench-results`); the replayed ablations are below."
+    from ..benchmarks.report import format_speedup
+
     rows = [r for r in bench["summary"] if r["dataset"] == "all"]
-    lines = ["| method | speedup over the target alone | τ (tokens / target forward) | lossless |", "|---|---|---|---|"]
+    lines = ["| method | speedup over the target alone (95% CI over prompts) | τ (tokens / target forward) | lossless |",
+             "|---|---|---|---|"]
     for r in rows:
         lossless = "yes" if r["mismatches"] == 0 else f"MISMATCH {r['mismatches']}/{r['prompts']}"
-        lines.append(f"| {r['method']} | {r['speedup']:.2f}x | {r['tau']:.2f} | {lossless} |")
+        lines.append(f"| {r['method']} | {format_speedup(r)} | {r['tau']:.2f} | {lossless} |")
     prompts = max((r["prompts"] for r in rows), default=0)
     datasets = ", ".join(dict.fromkeys(r["dataset"] for r in bench["summary"] if r["dataset"] != "all"))
     # a merged report (`pacer-bench --merge`) keeps the command of every run it merged
