@@ -42,7 +42,7 @@ class ForwardMeter:
     def __init__(self, module):
         self.count = 0
         self.seconds = 0.0
-        self._started: list[float] = []  # a stack: a forward may run inside another module's forward
+        self._started: list[float] = []  # a stack, should the module's forward call itself
         device = next(module.parameters()).device
         self._sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
         self._handles = [module.register_forward_pre_hook(self._pre), module.register_forward_hook(self._post)]
@@ -56,9 +56,6 @@ class ForwardMeter:
         self.seconds += time.perf_counter() - self._started.pop()
         self.count += 1
 
-    def reading(self) -> tuple[int, float]:
-        return self.count, self.seconds
-
     def remove(self):
         for handle in self._handles:
             handle.remove()
@@ -66,7 +63,7 @@ class ForwardMeter:
 
 def _timed(method: Method, target, draft, head, input_ids, max_new_tokens, meters):
     """Run one method once: `(sequences, stats, seconds, [(forwards, forward seconds) per meter])`."""
-    before = [m.reading() for m in meters]
+    before = [(m.count, m.seconds) for m in meters]
     start = time.perf_counter()
     sequences, stats = run_method(method, target, draft, head, input_ids, max_new_tokens)
     seconds = time.perf_counter() - start

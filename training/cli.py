@@ -46,7 +46,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head-intermediate-size", type=int, default=512)
     p.add_argument("--head-dropout", type=float, default=0.0, help="dropout inside the head while training")
     p.add_argument("--ablate-position-embedding", action="store_true", help="also train a head without draft-position embeddings")
-
     p.add_argument("--resume", action="store_true", help="reuse recorded traces and the last trainer checkpoint in --out")
     p.add_argument("--base-model", help="Hub id of the draft, for the card's base_model (default pair: its draft's id)")
     p.add_argument("--push-to-hub", metavar="REPO_ID", help="upload the head folder to this Hub repo")
