@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from ..custom_generate.generate import DecodeStep, _crop_to, _forward, entropy
+from ..custom_generate.generate import DecodeStep, _crop_to, _forward, cache_kwargs, entropy
 from ..custom_generate.policies import DraftView, StoppingPolicy
 
 
@@ -275,8 +275,9 @@ def record_trace_fast(draft, target, input_ids: torch.Tensor, output: torch.Tens
     n, prefix = output.shape[0], input_ids.shape[1]
     ids = torch.cat([input_ids, output[None]], dim=1)
     target_choice = target(input_ids=ids[:, :-1].to(target.device)).logits[0, prefix - 1 :].argmax(-1).cpu()
-    cache = DynamicCache(config=draft.config)
-    out = draft(input_ids=ids[:, :-1].to(draft.device), past_key_values=cache, use_cache=True, output_hidden_states=True)
+    cache = DynamicCache(config=draft.config.get_text_config(decoder=True))
+    cache.activate_past_recording()  # it is cropped back below, past any sliding window
+    out = draft(input_ids=ids[:, :-1].to(draft.device), use_cache=True, output_hidden_states=True, **cache_kwargs(draft, cache))
     tf_tokens, tf_probs, tf_entropy = _features(out.logits[0, prefix - 1 :].cpu())
     tf_hidden = out.hidden_states[-1][0, prefix - 1 :].cpu()
     correct = tf_tokens == target_choice

@@ -182,6 +182,27 @@ def test_without_pacer_arguments_generate_is_untouched():
     assert assisted.tolist() == plain.generate(PROMPT, max_new_tokens=10).tolist()
 
 
+@pytest.mark.parametrize("way", ["enable_pacer", "callable", "folder"])
+@pytest.mark.parametrize("call", ["positional", "inputs", "input_ids"])
+def test_every_way_in_accepts_positional_and_keyword_inputs(way, call, tmp_path):
+    _, draft = make_pair("llama", "llama", "noisy")
+    expected = make_model("llama", seed=1).generate(PROMPT, max_new_tokens=12).tolist()
+    target = make_model("llama", seed=1)
+    pacer = dict(stopping_policy=FixedLength(3), max_new_tokens=12)
+    if way == "enable_pacer":
+        modeling_pacer.enable_pacer(target)
+        pacer.update(assistant_model=draft)
+    elif way == "callable":
+        pacer.update(custom_generate=pacer_decoding, draft_model=draft)
+    else:
+        pacer.update(custom_generate=str(_custom_generate_folder(tmp_path)), trust_remote_code=True, assistant_model=draft)
+    if call == "positional":
+        out = target.generate(PROMPT, **pacer)
+    else:
+        out = target.generate(**{call: PROMPT}, **pacer)
+    assert out.tolist() == expected
+
+
 def test_custom_generate_callable():
     target = make_model("llama", seed=1)  # no enable_pacer: the plain transformers route
     _, draft = make_pair("llama", "llama", "noisy")
@@ -225,5 +246,12 @@ def test_target_repo_shipping_custom_generate_binds_it_on_load(tmp_path):
     make_model("llama", seed=1).save_pretrained(repo)
     target = AutoModelForCausalLM.from_pretrained(repo, trust_remote_code=True).eval()
     _, draft = make_pair("llama", "llama", "noisy")
-    out = target.generate(inputs=PROMPT, assistant_model=draft, stopping_policy="fixed", max_new_tokens=15)
-    assert out.tolist() == make_model("llama", seed=1).generate(PROMPT, max_new_tokens=15).tolist()
+    expected = make_model("llama", seed=1).generate(PROMPT, max_new_tokens=15).tolist()
+    # transformers binds it as functools.partial(generate, model=target): positional and keyword inputs both work
+    assert target.generate(inputs=PROMPT, assistant_model=draft, stopping_policy="fixed", max_new_tokens=15).tolist() == expected
+    assert target.generate(PROMPT, assistant_model=draft, stopping_policy="fixed", max_new_tokens=15).tolist() == expected
+    head = make_head(draft, max_draft_length=16)
+    assert target.generate(PROMPT, assistant_model=draft, pacer_head=head, max_new_tokens=15).tolist() == expected
+    # and plain generation through such a target, without PACER's arguments
+    assert target.generate(PROMPT, max_new_tokens=15).tolist() == expected
+    assert target.generate(input_ids=PROMPT, max_new_tokens=15).tolist() == expected

@@ -14,6 +14,7 @@ import pytest
 import torch
 from transformers import DynamicCache, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+from modeling_pacer.custom_generate.generate import cache_kwargs
 from modeling_pacer import pairs
 from modeling_pacer.pairs import (
     DEFAULT_PAIR,
@@ -147,8 +148,8 @@ def forward_with_cache(model, ids: torch.Tensor, extra: torch.Tensor) -> torch.T
     """Logits of `extra` (1, k) after a prefix `ids` (1, L) fed through a DynamicCache: shape (1, k, V)."""
     cache = DynamicCache()
     with torch.no_grad():
-        model(input_ids=ids, past_key_values=cache, use_cache=True)
-        return model(input_ids=extra, past_key_values=cache, use_cache=True).logits
+        model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache))
+        return model(input_ids=extra, use_cache=True, **cache_kwargs(model, cache)).logits
 
 
 # --------------------------------------------------------------------------------------------------

@@ -18,12 +18,16 @@ transformers. `generate()` below is the entry point transformers calls for such 
 """
 
 import copy
+import dataclasses
+import functools
+import inspect
 import time
 from dataclasses import asdict, dataclass, field
 
 import torch
 from transformers import DynamicCache, GenerationMixin, StoppingCriteriaList, StopStringCriteria
-from transformers.generation.utils import GenerateDecoderOnlyOutput, _speculative_sampling
+from transformers.cache_utils import BaseQuantizedLayer, DynamicLayer, LinearAttentionCacheLayerMixin
+from transformers.generation.utils import ALL_CACHE_NAMES, GenerateDecoderOnlyOutput, _speculative_sampling
 
 from .policies import DraftView, StoppingPolicy, make_policy
 
@@ -121,6 +125,33 @@ class _Timer:
 
 
 # --------------------------------------------------------------------------------------------------
+# the cache's name: transformers 5.24 renamed it from `past_key_values` to `cache`, both in the
+# `model_kwargs` that `generate` hands a decoding method and in the models' forwards
+# --------------------------------------------------------------------------------------------------
+# the names `generate` may hold a cache under, the current one first (transformers' own list)
+CACHE_NAMES = tuple(ALL_CACHE_NAMES)
+# the field of generate's output that returns the cache
+_OUTPUT_CACHE_FIELD = next(
+    f.name for f in dataclasses.fields(GenerateDecoderOnlyOutput) if f.name in ("cache", "past_key_values")
+)
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_cache_name(forward) -> str:
+    parameters = inspect.signature(forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in parameters:
+            return name
+    return CACHE_NAMES[0]  # a forward taking only **kwargs: the installed transformers' name
+
+
+def cache_kwargs(model, cache) -> dict:
+    """`{name: cache}` under the name `model.forward` expects (`cache` on transformers >= 5.24 models,
+    `past_key_values` before, or for remote-code models written for it), so no deprecation warning fires."""
+    return {_forward_cache_name(type(model).forward): cache}
+
+
+# --------------------------------------------------------------------------------------------------
 # step functions
 # --------------------------------------------------------------------------------------------------
 def _forward(model, tokens: torch.LongTensor, cache, num_logits: int, hidden: bool = False):
@@ -131,17 +162,19 @@ def _forward(model, tokens: torch.LongTensor, cache, num_logits: int, hidden: bo
     kwargs = {"output_hidden_states": True} if hidden else {}
     if getattr(model, "_supports_logits_to_keep", lambda: False)():
         kwargs["logits_to_keep"] = num_logits
-    out = model(input_ids=tokens.to(model.device), past_key_values=cache, use_cache=True, **kwargs)
+    out = model(input_ids=tokens.to(model.device), use_cache=True, **cache_kwargs(model, cache), **kwargs)
     logits = out.logits[:, -num_logits:, :].float()
     states = out.hidden_states[-1][:, -num_logits:, :] if hidden else None
     return logits, states
 
 
 def _crop_to(cache, length: int) -> None:
-    """Keep the first `length` positions of `cache` (transformers 5 `crop` takes a negative count to drop)."""
-    excess = cache.get_seq_length() - length
-    if excess > 0:
-        cache.crop(-excess)
+    """Keep the first `length` positions of `cache` (transformers 5's `crop` takes a negative count to drop).
+
+    Called after every step, even with nothing to drop: `crop(0)` trims sliding-window layers, which
+    keep their whole past while a draft is pending (`activate_past_recording`), back to the window.
+    """
+    cache.crop(-max(0, cache.get_seq_length() - length))
 
 
 def _process(logits_processor, prefix: torch.LongTensor, logits: torch.Tensor) -> torch.Tensor:
@@ -291,7 +324,40 @@ def accept(ids: torch.LongTensor, draft: Draft, target_scores: torch.Tensor, do_
 # --------------------------------------------------------------------------------------------------
 # the loop
 # --------------------------------------------------------------------------------------------------
-_ALLOWED_MODEL_KWARGS = {"attention_mask", "position_ids", "past_key_values", "use_cache", "logits_to_keep", "cache_position"}
+# what `generate` itself puts in `model_kwargs` for a decoder-only model; anything else came from the user
+_ALLOWED_MODEL_KWARGS = {"attention_mask", "position_ids", "use_cache", "logits_to_keep", "cache_position", *CACHE_NAMES}
+
+
+def _given_cache(model_kwargs: dict):
+    """The cache `generate` prepared or the user passed, under whichever name the installed transformers uses."""
+    return next((model_kwargs[name] for name in CACHE_NAMES if model_kwargs.get(name) is not None), None)
+
+
+def _check_cache(model, cache) -> None:
+    """PACER rolls both caches back after every rejected draft: only a `DynamicCache` of attention
+    layers (full or sliding-window) can be rolled back exactly."""
+    if not model._supports_default_dynamic_cache():
+        raise ValueError(
+            f"PACER decoding needs a model that uses transformers' DynamicCache; {type(model).__name__} keeps its "
+            "own recurrent state, which cannot be rolled back after a rejected draft."
+        )
+    if cache is None:
+        return
+    rollback = isinstance(cache, DynamicCache) and all(
+        isinstance(layer, DynamicLayer) and not isinstance(layer, (BaseQuantizedLayer, LinearAttentionCacheLayerMixin))
+        for layer in cache.layers
+    )
+    if not rollback:
+        kinds = sorted({type(layer).__name__ for layer in getattr(cache, "layers", [])})
+        raise ValueError(
+            f"PACER decoding needs a DynamicCache it can roll back after a rejected draft; got a {type(cache).__name__}"
+            f"{' with ' + ', '.join(kinds) if kinds else ''}. Leave `cache_implementation` unset (or 'dynamic'), "
+            "and pass no static, quantized or linear-attention cache."
+        )
+    if cache.get_seq_length() > 0:
+        raise ValueError(
+            f"PACER decoding needs an empty cache; the one passed already holds {cache.get_seq_length()} tokens."
+        )
 
 
 def _vocab_size(model) -> int:
@@ -338,9 +404,8 @@ def _check_inputs(model, draft_model, head, policy, input_ids, generation_config
     mask = model_kwargs.get("attention_mask")
     if mask is not None and not bool((mask == 1).all()):
         raise ValueError("PACER decoding does not support padded inputs (attention_mask with zeros).")
-    cache = model_kwargs.get("past_key_values")
-    if cache is not None and (cache.get_seq_length() > 0 or not hasattr(cache, "crop")):
-        raise ValueError("PACER decoding needs an empty, croppable cache (a DynamicCache); got a prefilled or static one.")
+    _check_cache(model, _given_cache(model_kwargs))
+    _check_cache(draft_model, None)
 
 
 def pacer_decoding(
@@ -380,8 +445,10 @@ def pacer_decoding(
     want_logits = generation_config.return_dict_in_generate and generation_config.output_logits
     all_scores, all_logits = [], []
 
-    target_cache = model_kwargs.get("past_key_values") or DynamicCache(config=model.config)
-    draft_cache = DynamicCache(config=draft_model.config)
+    target_cache = _given_cache(model_kwargs) or DynamicCache(config=model.config.get_text_config(decoder=True))
+    draft_cache = DynamicCache(config=draft_model.config.get_text_config(decoder=True))
+    for cache in (target_cache, draft_cache):
+        cache.activate_past_recording()  # sliding-window layers keep what a rejected draft needs back
     if pacer_streamer is not None:
         pacer_streamer.put(input_ids.cpu())
 
@@ -436,8 +503,8 @@ def pacer_decoding(
         sequences=ids,
         scores=tuple(all_scores) if want_scores else None,
         logits=tuple(all_logits) if want_logits else None,
-        past_key_values=target_cache if generation_config.use_cache else None,
         pacer_stats=stats,
+        **{_OUTPUT_CACHE_FIELD: target_cache if generation_config.use_cache else None},
     )
 
 
@@ -460,7 +527,28 @@ def _stop_strings_as_criteria(model, generation_config, stopping_criteria, kwarg
     return generation_config, criteria
 
 
-def generate(
+def generate(*args, model=None, **kwargs):
+    """`model.generate` with PACER: `generate(model, ids, assistant_model=draft, pacer_head=head, ...)`.
+
+    The arguments are `GenerationMixin.generate`'s, plus `pacer_head` (a `PacerHead`) and
+    `stopping_policy` (a [`StoppingPolicy`] or a name from `POLICIES`; default PACER with the head's
+    config). With neither of the two this is plain `GenerationMixin.generate` (transformers' own
+    assisted generation when `assistant_model` is given). Otherwise transformers prepares everything
+    as usual and runs [`pacer_decoding`]; `assistant_model` and `streamer` travel under other names
+    because transformers passes neither to a `custom_generate` callable.
+
+    The model comes first, or as the keyword `model`: transformers binds a repo's
+    `custom_generate/generate.py` as `functools.partial(generate, model=model)` and calls it with the
+    user's positional arguments (`target.generate(ids, ...)`), or calls it as `generate(model=model, **arguments)`.
+    """
+    if model is None:
+        if not args:
+            raise TypeError("generate() needs the model: generate(model, input_ids, ...).")
+        model, *args = args
+    return _generate(model, *args, **kwargs)
+
+
+def _generate(
     model,
     inputs: torch.Tensor | None = None,
     generation_config=None,
@@ -476,15 +564,6 @@ def generate(
     pacer_step_callback=None,
     **kwargs,
 ):
-    """`model.generate` with PACER: `generate(model, ids, assistant_model=draft, pacer_head=head, ...)`.
-
-    The arguments are `GenerationMixin.generate`'s, plus `pacer_head` (a `PacerHead`) and
-    `stopping_policy` (a [`StoppingPolicy`] or a name from `POLICIES`; default PACER with the head's
-    config). With neither of the two this is plain `GenerationMixin.generate` (transformers' own
-    assisted generation when `assistant_model` is given). Otherwise transformers prepares everything
-    as usual and runs [`pacer_decoding`]; `assistant_model` and `streamer` travel under other names
-    because transformers passes neither to a `custom_generate` callable.
-    """
     plain = dict(
         generation_config=generation_config,
         logits_processor=logits_processor,
