@@ -16,7 +16,7 @@ from modeling_pacer import PacerHead
 from modeling_pacer.training import cli
 
 from conftest import VOCAB, make_pair
-from test_head import OFFLINE_LOADER, _offline_hub_snapshot
+from test_head import OFFLINE_LOADER, OUTPUTS, _offline_hub_snapshot
 
 
 class FakeHfApi:
@@ -92,7 +92,9 @@ def test_train_end_to_end_and_push(tmp_path):
     subprocess.run([sys.executable, "-c", OFFLINE_LOADER, str(tmp_path / "x.pt"), str(tmp_path / "out.pt")],
                    env=env, check=True, cwd=tmp_path)
     loaded = torch.load(tmp_path / "out.pt")
-    torch.testing.assert_close(loaded["remote"], head.eval()(x).logits, rtol=0, atol=0)
+    for name, tensor in head.state_dict().items():
+        assert torch.equal(loaded["remote_weights"][name], tensor), name
+    torch.testing.assert_close(loaded["remote"], head.eval()(x).logits, **OUTPUTS)
 
 
 def test_card_only_adds_benchmark_figures(tmp_path):
