@@ -74,6 +74,11 @@ def _prompts(args, tokenizer):
     return out
 
 
+def _print_result(result: dict) -> None:
+    print(result["table"])
+    print("pacer-bench: wrote " + ", ".join(str(path) for path in result["files"]))
+
+
 def run(args) -> dict:
     from tqdm.auto import tqdm
 
@@ -105,7 +110,7 @@ def run(args) -> dict:
             for (dataset, prompt_id, input_ids), trace in tqdm(list(zip(prompts, traces)), desc="recording traces")
         ]
         torch.save(dict(traces=full, costs=costs.to_dict(), pair=pair.name), args.record_traces)
-    print(result["table"])
+    _print_result(result)
     return result
 
 
@@ -157,15 +162,20 @@ def run_merge(args) -> dict:
                 max_new_tokens=parts[0]["meta"].get("max_new_tokens"))
     result = write_report(Path(args.out), [r for part in parts for r in part["records"]],
                           [r for part in parts for r in part["oracle"]], meta)
-    print(result["table"])
+    _print_result(result)
     return result
+
+
+def apply_presets(args) -> None:
+    """`--quick`: one prompt per dataset, 32 new tokens, `QUICK_METHODS` unless methods are named."""
+    if args.quick:
+        args.n, args.max_new_tokens = 1, 32
+        args.methods = args.methods or QUICK_METHODS
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    if args.quick:
-        args.n, args.max_new_tokens = 1, 32
-        args.methods = args.methods or QUICK_METHODS
+    apply_presets(args)
     if args.merge:
         run_merge(args)
     elif args.replay:

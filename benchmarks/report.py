@@ -182,5 +182,6 @@ def write_report(out: Path, records: list[dict], oracle_rows: list[dict], meta: 
     (out / "results.md").write_text(f"Command: `{meta.get('command', '')}`\n\n" + table)
     payload = dict(meta=meta, summary=summary, draft_length_histograms=histograms, records=records, oracle=oracle_rows)
     (out / "results.json").write_text(json.dumps(payload, indent=1, default=str))
-    write_plots(summary, histograms, out)
-    return dict(summary=summary, table=table)
+    plots = write_plots(summary, histograms, out)
+    files = [out / "results.json", out / "results.md", *plots]
+    return dict(summary=summary, table=table, files=files)

