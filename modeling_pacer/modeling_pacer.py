@@ -4,6 +4,7 @@ This file travels with heads published on the Hub (``trust_remote_code``): it im
 ``torch``, ``transformers`` and its sibling ``configuration_pacer``.
 """
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,56 @@ class PacerPreTrainedModel(PreTrainedModel):
     base_model_prefix = "pacer"
     main_input_name = "hidden_states"
     _no_split_modules = []
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """transformers' `from_pretrained`, made strict, since a head loaded wrong still runs and silently drafts badly:
+
+        - weights from `model.safetensors` only (`use_safetensors=True`): a pickle `pytorch_model.bin` is never
+          unpickled (that can run code), a folder holding only one is refused;
+        - every tensor of the head present in the file with its shape, and nothing else: a missing tensor (which
+          transformers would initialise at random), an unexpected one or one of another shape is a `ValueError`
+          naming it;
+        - `config.json` present and of model_type "pacer" (checked by `PacerConfig.get_config_dict`).
+
+        `output_loading_info=True` still returns `(model, loading_info)`.
+        """
+        if kwargs.get("use_safetensors") is False:
+            raise ValueError("PACER heads load from safetensors only: leave `use_safetensors` unset (or True).")
+        folder = os.path.join(str(pretrained_model_name_or_path), kwargs.get("subfolder") or "")
+        if os.path.isdir(folder) and not any(
+            os.path.isfile(os.path.join(folder, name)) for name in ("model.safetensors", "model.safetensors.index.json")
+        ):
+            others = sorted(name for name in os.listdir(folder) if name.endswith((".bin", ".pt", ".pth", ".ckpt")))
+            raise ValueError(
+                f"There is no model.safetensors in {folder!r}"
+                + (f" (only {', '.join(others)})" if others else "")
+                + ": PACER heads load from safetensors only (a pickle checkpoint can run code when it is read). "
+                "Save the head with `head.save_pretrained(folder)`, which writes model.safetensors."
+            )
+        return_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(
+            pretrained_model_name_or_path,
+            *model_args,
+            **{**kwargs, "use_safetensors": True, "output_loading_info": True, "ignore_mismatched_sizes": True},
+        )
+        problems = []
+        if info.get("missing_keys"):
+            problems.append(f"missing from the file: {', '.join(sorted(info['missing_keys']))}")
+        if info.get("unexpected_keys"):
+            problems.append(f"unexpected in the file: {', '.join(sorted(info['unexpected_keys']))}")
+        if info.get("mismatched_keys"):
+            shapes = (f"{key} ({tuple(saved)} in the file, {tuple(built)} in config.json's head)"
+                      for key, saved, built in sorted(info["mismatched_keys"]))
+            problems.append(f"of another shape: {', '.join(shapes)}")
+        if info.get("error_msgs"):
+            problems.append(f"errors: {'; '.join(info['error_msgs'])}")
+        if problems:
+            raise ValueError(
+                f"The weights in {str(pretrained_model_name_or_path)!r} do not match a {cls.__name__} built from its "
+                f"config.json; tensors {'; '.join(problems)}. Load a folder written by `PacerHead.save_pretrained`."
+            )
+        return (model, info) if return_info else model
 
     @torch.no_grad()
     def _init_weights(self, module):

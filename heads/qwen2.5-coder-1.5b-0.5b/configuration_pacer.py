@@ -60,6 +60,26 @@ class PacerConfig(PreTrainedConfig):
     dropout: int | float = 0.0
     initializer_range: float = 0.02
 
+    @classmethod
+    def get_config_dict(cls, pretrained_model_name_or_path, **kwargs):
+        """transformers' reader of `config.json`, refusing a folder without one (transformers would go on with the
+        default config, and the weights would then fail with a misleading size mismatch) and a config of another
+        model (transformers only warns, and builds a head from whatever fields match)."""
+        config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
+        if not config_dict:
+            raise ValueError(
+                f"There is no config.json in {str(pretrained_model_name_or_path)!r}: a PACER head is a folder (or Hub "
+                "repo) with config.json and model.safetensors, as `head.save_pretrained(folder)` writes it; or pass "
+                "`config=PacerConfig(...)` explicitly."
+            )
+        model_type = config_dict.get("model_type")
+        if model_type != cls.model_type:
+            raise ValueError(
+                f"The config.json of {str(pretrained_model_name_or_path)!r} has model_type {model_type!r}, not "
+                f"{cls.model_type!r}: it is not a PACER head. Point at a folder written by `PacerHead.save_pretrained`."
+            )
+        return config_dict, kwargs
+
     def __post_init__(self, **kwargs):
         self._check_ranges()
         super().__post_init__(**kwargs)
