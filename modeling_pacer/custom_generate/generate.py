@@ -101,9 +101,11 @@ class PacerStats:
 
 @dataclass
 class PacerGenerateOutput(GenerateDecoderOnlyOutput):
-    """`GenerateDecoderOnlyOutput` plus `pacer_stats` (a [`PacerStats`])."""
+    """`GenerateDecoderOnlyOutput` plus `pacer_stats` (a [`PacerStats`]) and `pacer_policy`: the stopping policy
+    that decoded, in its adapted state at the end (a copy of the instance passed as `stopping_policy`, if one was)."""
 
     pacer_stats: PacerStats | None = None
+    pacer_policy: StoppingPolicy | None = None
 
 
 class _Timer:
@@ -408,6 +410,13 @@ def _check_inputs(model, draft_model, head, policy, input_ids, generation_config
     _check_cache(draft_model, None)
 
 
+def _own_copy(policy):
+    """A copy of a policy instance for one `generate` call: calls adapt their own state, so one instance can
+    serve concurrent calls. Modules it holds (a learned scorer, say) are shared, not copied."""
+    shared = {id(v): v for v in getattr(policy, "__dict__", {}).values() if isinstance(v, torch.nn.Module)}
+    return copy.deepcopy(policy, shared)
+
+
 def pacer_decoding(
     model,
     input_ids: torch.LongTensor,
@@ -428,11 +437,17 @@ def pacer_decoding(
     its tokens are emitted (`ids` `(1, L)` the sequence so far, `draft` a [`Draft`] with hidden states
     kept, `target_scores` `(1, k + 1, vocab)`): this is how training data is recorded from real decoding.
 
+    A `stopping_policy` instance is copied at the start of the call and the copy adapts (`reset`, `update`), so
+    the instance passed is never modified and one instance can serve concurrent calls; the copy, in its final
+    state, is `pacer_policy` of the [`PacerGenerateOutput`].
+
     `input_ids` `(1, L)`. Returns `(1, L + new)` token ids, or a [`PacerGenerateOutput`] with
     `return_dict_in_generate=True`.
     """
     head_config = getattr(pacer_head, "config", None)
     policy = make_policy(stopping_policy, head_config)
+    if policy is stopping_policy:
+        policy = _own_copy(policy)
     _check_inputs(model, draft_model, pacer_head, policy, input_ids, generation_config, model_kwargs)
     policy.reset()
 
@@ -504,6 +519,7 @@ def pacer_decoding(
         scores=tuple(all_scores) if want_scores else None,
         logits=tuple(all_logits) if want_logits else None,
         pacer_stats=stats,
+        pacer_policy=policy,
         **{_OUTPUT_CACHE_FIELD: target_cache if generation_config.use_cache else None},
     )
 
@@ -532,7 +548,8 @@ def generate(*args, model=None, **kwargs):
 
     The arguments are `GenerationMixin.generate`'s, plus `pacer_head` (a `PacerHead`) and
     `stopping_policy` (a [`StoppingPolicy`] or a name from `POLICIES`; default PACER with the head's
-    config). With neither of the two this is plain `GenerationMixin.generate` (transformers' own
+    config; an instance is copied for the call and left unmodified, the adapted copy is returned as
+    `out.pacer_policy` with `return_dict_in_generate=True`). With neither of the two this is plain `GenerationMixin.generate` (transformers' own
     assisted generation when `assistant_model` is given). Otherwise transformers prepares everything
     as usual and runs [`pacer_decoding`]; `assistant_model` and `streamer` travel under other names
     because transformers passes neither to a `custom_generate` callable.

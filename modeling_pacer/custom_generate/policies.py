@@ -8,6 +8,9 @@ step::
     after each drafted token:  reason = policy.stop_reason(draft)   # None = keep drafting
     after verification:        policy.update(draft, num_accepted)     # draft is None if k = 0
 
+with `policy.reset()` once at the start. `generate` runs this on its own copy of a policy instance passed to it
+(so one instance can serve concurrent calls, and is never modified); the copy comes back as `out.pacer_policy`.
+
 This file is published with `generate.py` as a `custom_generate` folder: it imports only torch.
 """
 
@@ -56,7 +59,7 @@ class StoppingPolicy:
         self.max_draft_length = max_draft_length
 
     def reset(self) -> None:
-        """Called once at the start of each `generate` call."""
+        """Called once at the start of each `generate` call (on that call's own copy of the instance passed)."""
 
     def begin_step(self) -> int:
         return self.max_draft_length
