@@ -1,6 +1,7 @@
 """The benchmark harness on tiny random models: live runs, mismatch detection, replay agreeing with a
 live run, the oracle's optimality, and the report files."""
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -10,7 +11,15 @@ from modeling_pacer.benchmarks import runner
 from modeling_pacer.benchmarks.cli import build_parser
 from modeling_pacer.benchmarks.methods import all_methods, run_method, select_methods
 from modeling_pacer.benchmarks.report import markdown_table, speedup_interval, summarize, write_report
-from modeling_pacer.benchmarks.traces import CostModel, oracle, record_match, record_trace, replay
+from modeling_pacer.replay import (
+    CostModel,
+    load_traces,
+    oracle,
+    record_match,
+    record_trace_by_decoding,
+    replay,
+    save_traces,
+)
 
 from conftest import VOCAB, make_head, make_pair
 
@@ -86,7 +95,7 @@ def test_replay_agrees_with_live_run(setup, name):
     costs = CostModel({n: 1.0 for n in range(1, 20)}, 0.1, 0.01)
     for _, _, ids in setup.prompts:
         out, live = _live_steps(setup, method.policy(), ids)
-        trace = record_trace(setup.pair.draft, ids, out.sequences[0, ids.shape[1]:], 12, True)
+        trace = record_trace_by_decoding(setup.pair.draft, ids, out.sequences[0, ids.shape[1]:], 12, True)
         replayed = replay(method.policy(), trace, costs, setup.head)
         assert [(s.drafted, s.accepted) for s in replayed.steps] == live
 
@@ -94,7 +103,7 @@ def test_replay_agrees_with_live_run(setup, name):
 def test_cheap_match_trace_equals_full_trace(setup):
     _, _, ids = setup.prompts[1]
     output = setup.pair.target.generate(ids, max_new_tokens=NEW)[0, ids.shape[1]:]
-    full = record_trace(setup.pair.draft, ids, output, 6, False)
+    full = record_trace_by_decoding(setup.pair.draft, ids, output, 6, False)
     cheap = record_match(setup.pair.draft, ids, output, 6)
     assert cheap.match.tolist() == full.match.tolist()
     assert cheap.match.max() > 0  # the draft does agree sometimes: the comparison means something
@@ -106,7 +115,7 @@ def test_oracle_beats_every_replayed_policy(setup):
     methods = all_methods(gammas=(1, 2, 3, 4), head_config=setup.head.config)
     for _, _, ids in setup.prompts:
         output = setup.pair.target.generate(ids, max_new_tokens=NEW)[0, ids.shape[1]:]
-        trace = record_trace(setup.pair.draft, ids, output, 12, True)
+        trace = record_trace_by_decoding(setup.pair.draft, ids, output, 12, True)
         best = oracle(trace, costs, 8)
         assert sum(s.emitted for s in best.steps) == NEW
         for name in ["fixed-1", "fixed-2", "fixed-4", "heuristic", "svip", "pacer"]:
@@ -169,7 +178,7 @@ def test_cli_help():
 
 def test_oracle_is_optimal_under_a_non_monotone_cost_curve():
     """Measured costs can dip (verifying 4 tokens cheaper than 3): the oracle must still beat any schedule."""
-    from modeling_pacer.benchmarks.traces import Trace
+    from modeling_pacer.replay import Trace
 
     trace = Trace("d", "0", match=torch.tensor([2, 1, 0, 3, 2, 1, 0, 0, 1, 0]))
     costs = CostModel({1: 1.0, 2: 1.0, 3: 1.5, 4: 1.0, 5: 2.0}, 0.01)
@@ -204,7 +213,7 @@ def test_merge_runs_split_by_dataset(tmp_path):
     from modeling_pacer.benchmarks.cli import main
 
     a, b = _part(tmp_path, "a", "a", 4.0, 2.0), _part(tmp_path, "b", "b", 6.0, 2.0)
-    main(["--merge", a, b, "--out", str(tmp_path / "all")])
+    assert main(["merge", a, b, "--out", str(tmp_path / "all")]) == 1  # written, but a mismatch fails the run
     merged = json.loads((tmp_path / "all" / "results.json").read_text())
     rows = {(r["dataset"], r["method"]): r for r in merged["summary"]}
     assert rows[("a", "fixed-2")]["speedup"] == 2.0 and rows[("b", "fixed-2")]["speedup"] == 3.0
@@ -213,7 +222,7 @@ def test_merge_runs_split_by_dataset(tmp_path):
     assert "MISMATCH" in (tmp_path / "all" / "results.md").read_text()
     assert [p["command"] for p in merged["meta"]["parts"]] == ["pacer-bench --datasets a", "pacer-bench --datasets b"]
     with pytest.raises(ValueError, match="share prompts"):
-        main(["--merge", a, a, "--out", str(tmp_path / "twice")])
+        main(["merge", a, a, "--out", str(tmp_path / "twice")])
     # runs that measured different methods merge only on the common ones, named
     c = tmp_path / "c" / "results.json"
     part = json.loads(Path(b).read_text())
@@ -223,14 +232,14 @@ def test_merge_runs_split_by_dataset(tmp_path):
     c.parent.mkdir()
     c.write_text(json.dumps(part))
     with pytest.raises(ValueError, match="different methods"):
-        main(["--merge", a, str(c), "--out", str(tmp_path / "mixed")])
-    main(["--merge", a, str(c), "--methods", "target", "--out", str(tmp_path / "common")])
+        main(["merge", a, str(c), "--out", str(tmp_path / "mixed")])
+    main(["merge", a, str(c), "--methods", "target", "--out", str(tmp_path / "common")])
     common = json.loads((tmp_path / "common" / "results.json").read_text())
     assert {r["method"] for r in common["records"]} == {"target"}
 
 
 def test_replay_cli_over_several_trace_files(setup, tmp_path):
-    """`--replay a.pt b.pt` replays every file's traces with its own cost model; the figures equal replaying
+    """`replay a.safetensors b.safetensors` replays every file's traces with its own cost model; the figures equal replaying
     by hand, and the oracle bounds every policy."""
     import json
 
@@ -241,16 +250,73 @@ def test_replay_cli_over_several_trace_files(setup, tmp_path):
     for i, (dataset, prompt_id, ids) in enumerate(setup.prompts[:2]):
         costs = CostModel({n: 1.0 + i + 0.2 * (n > 3) for n in range(1, 14)}, 0.1 * (i + 1), 0.01)
         output = setup.pair.target.generate(ids, max_new_tokens=NEW)[0, ids.shape[1]:]
-        trace = record_trace(setup.pair.draft, ids, output, 12, True, dataset, prompt_id)
-        torch.save(dict(traces=[trace], costs=costs.to_dict(), pair="toy"), tmp_path / f"{i}.pt")
-        files.append(str(tmp_path / f"{i}.pt"))
+        trace = record_trace_by_decoding(setup.pair.draft, ids, output, 12, True, dataset, prompt_id)
+        save_traces(tmp_path / f"{i}.safetensors", [trace], costs, pair="toy")
+        files.append(str(tmp_path / f"{i}.safetensors"))
         for name in by_hand:
             result = replay(all_methods(head_config=setup.head.config)[name].policy(), trace, costs, setup.head)
             by_hand[name][0] += result.target_alone_seconds
             by_hand[name][1] += result.seconds
-    main(["--replay", *files, "--head", str(tmp_path / "head"), "--methods", "fixed-2", "pacer", "--out", str(tmp_path / "r")])
+    main(["replay", *files, "--head", str(tmp_path / "head"), "--methods", "fixed-2", "pacer", "--out", str(tmp_path / "r")])
     rows = {r["method"]: r["replayed_speedup"] for r in json.loads((tmp_path / "r" / "replay.json").read_text())["rows"]}
     for name, (alone, seconds) in by_hand.items():
         assert rows[name] == pytest.approx(alone / seconds)
     assert rows["oracle"] >= max(rows["fixed-2"], rows["pacer"])
     assert (tmp_path / "r" / "replay.md").exists()
+
+
+def test_trace_files_round_trip_and_a_pickle_runs_nothing(setup, tmp_path):
+    """Trace files are safetensors + JSON: what was saved comes back, and a crafted pickle in their place
+    (the format of earlier versions) is refused without executing anything."""
+    import os
+
+    from modeling_pacer.benchmarks.cli import main
+
+    dataset, prompt_id, ids = setup.prompts[0]
+    output = setup.pair.target.generate(ids, max_new_tokens=NEW)[0, ids.shape[1]:]
+    trace = record_trace_by_decoding(setup.pair.draft, ids, output, 6, True, dataset, prompt_id)
+    costs = CostModel({1: 1.0, 2: 1.5}, 0.1, 0.01)
+    save_traces(tmp_path / "t.safetensors", [trace], costs, pair="toy")
+    back = load_traces(tmp_path / "t.safetensors")
+    assert back.costs == costs and back.meta == {"pair": "toy"}
+    (loaded,) = back.traces
+    assert (loaded.dataset, loaded.prompt_id) == (dataset, prompt_id)
+    for name in ("match", "output", "token_probs", "entropies", "hidden"):
+        assert torch.equal(getattr(loaded, name), getattr(trace, name)), name
+
+    marker = tmp_path / "PWNED"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    torch.save({"traces": [], "costs": Evil()}, tmp_path / "evil.pt")
+    with pytest.raises(ValueError, match="not a pacer trace file"):
+        load_traces(tmp_path / "evil.pt")
+    with pytest.raises(ValueError, match="not a pacer trace file"):
+        main(["replay", str(tmp_path / "evil.pt"), "--out", str(tmp_path / "r")])
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--n", "0"], "--n: .*at least 1"),
+    (["--n", "-1"], "--n: .*at least 1"),
+    (["--max-new-tokens", "0"], "--max-new-tokens: .*at least 1"),
+    (["--datasets", "nosuch"], "--datasets: invalid choice"),
+    (["--methods", "target", "nosuch"], "Unknown methods"),
+    (["--methods", "fixed-2"], "must include 'target'"),
+    (["--gammas", "0"], "--gammas: .*at least 1"),
+    (["--head", "no/such/folder/x"], "--head"),
+    (["--out", "/proc/no-such-folder/out"], "not a writable folder"),
+    (["replay", "missing.safetensors"], "no such file"),
+    (["merge", "missing.json"], "no such file"),
+])
+def test_bad_arguments_fail_before_any_model_loads(argv, message, monkeypatch, capsys):
+    """Every argument is checked first: a clear usage error (exit 2), and the pair is never loaded."""
+    from modeling_pacer.benchmarks import cli
+
+    monkeypatch.setattr("modeling_pacer.pairs.loading.load_pair", lambda *a, **k: pytest.fail("a model was loaded"))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    assert re.search(message, capsys.readouterr().err), message

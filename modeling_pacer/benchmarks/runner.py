@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .methods import Method, run_method
-from .traces import CostModel, Trace, oracle, record_match
+from ..replay import CostModel, Trace, oracle, record_match
 
 
 @dataclass

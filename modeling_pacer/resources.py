@@ -1,0 +1,41 @@
+"""The project's data folders that live outside the package (`heads/`, `hub_cards/`), wherever pacer
+is installed.
+
+A wheel (`pip install .`) carries them as data files under `<prefix>/share/pacer/` (pyproject's
+`data-files`); an editable install (`pip install -e .`) reads them from its source tree, which pip
+records in the distribution's `direct_url.json` (PEP 610).
+"""
+
+import json
+import sys
+from importlib import metadata
+from pathlib import Path
+from urllib.parse import urlparse
+from urllib.request import url2pathname
+
+DISTRIBUTION = "pacer-decoding"
+
+
+class DataNotInstalledError(FileNotFoundError):
+    """pacer's data folders cannot be found: it is not installed as a distribution."""
+
+
+def data_folder(name: str) -> Path:
+    """The installed folder `name` (`"heads"` or `"hub_cards"`); it may not exist when nothing of it shipped."""
+    # several may be visible: a build leaves `pacer_decoding.egg-info` in the source tree, which shadows
+    # the installed one when Python runs from there; only an installed one says where its data went
+    dists = list(metadata.distributions(name=DISTRIBUTION))
+    if not dists:
+        raise DataNotInstalledError(
+            f"pacer's {name}/ folder ships with the installed package, and {DISTRIBUTION} is not installed: "
+            "run `pip install .` (or `pip install -e .`) in pacer's source tree."
+        )
+    for dist in dists:
+        direct = json.loads(dist.read_text("direct_url.json") or "{}")
+        if direct.get("dir_info", {}).get("editable"):
+            return Path(url2pathname(urlparse(direct["url"]).path)) / name
+        for file in dist.files or []:
+            if f"share/pacer/{name}/" in file.as_posix():
+                path = Path(dist.locate_file(file)).resolve()
+                return next(p for p in path.parents if p.name == name and p.parent.name == "pacer")
+    return Path(sys.prefix) / "share" / "pacer" / name  # where a wheel would have put it; absent
