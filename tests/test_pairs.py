@@ -264,6 +264,15 @@ def test_cli_reports_missing_weights(tmp_path, monkeypatch, capsys):
     assert "not installed" in capsys.readouterr().out
 
 
+def test_check_on_an_empty_cache_says_what_is_missing_and_installs_nothing(tmp_path, monkeypatch, capsys):
+    for name in ("ensure_gguf", "ensure_converted", "load_pair", "pip_install"):
+        monkeypatch.setattr(pairs.cli, name, lambda *a, **k: pytest.fail("check tried to install or load"))
+    monkeypatch.setattr(pairs.loading, "ensure_converted", lambda *a, **k: pytest.fail("check tried to convert"))
+    assert pairs.cli.main(["check", "--cache-dir", str(tmp_path / "empty")]) == 1
+    out = capsys.readouterr().out
+    assert "absent" in out and "not converted" in out and "pacer-pairs install" in out
+
+
 def test_cache_dir_from_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("PACER_CACHE", str(tmp_path / "c"))
     assert pairs.cache_root() == tmp_path / "c"

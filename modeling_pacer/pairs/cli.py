@@ -86,7 +86,14 @@ def _cmd_check(spec: PairSpec, args) -> int:
         digest = sha256_file(path) if path.is_file() else None
         good = digest == parts.sha256
         ok &= good
-        print(f"[{role}] {path}: {'sha256 ok' if good else f'sha256 {digest} != {parts.sha256}'}")
+        print(f"[{role}] {path}: {'sha256 ok' if good else 'absent' if digest is None else f'sha256 {digest} != {parts.sha256}'}")
+        converted = converted_path(parts, args.cache_dir)
+        done = converted_ok(converted, parts.sha256)
+        ok &= done
+        print(f"[{role}] {converted}: {'converted' if done else 'not converted'}")
+    if not ok:  # check only looks: installing is `install`'s job
+        print(f"the pair is not (completely) installed: run `{install_command(spec.name)}`")
+        return 1
     try:
         pair = load_pair(spec, pacer_cache=args.cache_dir)
     except WeightsNotInstalledError as e:
