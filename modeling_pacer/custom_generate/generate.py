@@ -335,9 +335,34 @@ def _given_cache(model_kwargs: dict):
     return next((model_kwargs[name] for name in CACHE_NAMES if model_kwargs.get(name) is not None), None)
 
 
+# `cache_implementation`s that give a rollback-able DynamicCache ("hybrid": transformers reads it as unset)
+_DYNAMIC_CACHE_IMPLEMENTATIONS = (None, "dynamic", "hybrid")
+_USE_INSTEAD = (
+    "Leave `cache_implementation` unset (or pass cache_implementation='dynamic'), and pass no cache or an empty "
+    "DynamicCache"
+)
+_OFFLOADING = (
+    "its roll-back of the cache after every rejected draft is not verified with transformers' CUDA-stream "
+    "offloading, which on a CPU fails outright"
+)
+
+
+def _check_cache_implementation(implementation, source: str) -> None:
+    """Refuse a `cache_implementation` other than the dynamic one before transformers builds the cache (a
+    quantized one would otherwise fail on a missing backend package before PACER sees it)."""
+    if implementation in _DYNAMIC_CACHE_IMPLEMENTATIONS:
+        return
+    if "offloaded" in str(implementation):
+        why = f"PACER decoding does not support an offloaded cache: {_OFFLOADING}"
+    else:
+        why = ("PACER decoding rolls the KV caches back after every rejected draft, which needs a DynamicCache, "
+               "not a static or quantized one")
+    raise ValueError(f"cache_implementation={implementation!r} ({source}) is not supported: {why}. {_USE_INSTEAD}.")
+
+
 def _check_cache(model, cache) -> None:
     """PACER rolls both caches back after every rejected draft: only a `DynamicCache` of attention
-    layers (full or sliding-window) can be rolled back exactly."""
+    layers (full or sliding-window) can be rolled back exactly. Checked before any forward."""
     if not model._supports_default_dynamic_cache():
         raise ValueError(
             f"PACER decoding needs a model that uses transformers' DynamicCache; {type(model).__name__} keeps its "
@@ -353,12 +378,18 @@ def _check_cache(model, cache) -> None:
         kinds = sorted({type(layer).__name__ for layer in getattr(cache, "layers", [])})
         raise ValueError(
             f"PACER decoding needs a DynamicCache it can roll back after a rejected draft; got a {type(cache).__name__}"
-            f"{' with ' + ', '.join(kinds) if kinds else ''}. Leave `cache_implementation` unset (or 'dynamic'), "
-            "and pass no static, quantized or linear-attention cache."
+            f"{' with ' + ', '.join(kinds) if kinds else ''}. "
+            f"{_USE_INSTEAD} (no static, quantized or linear-attention cache)."
+        )
+    if getattr(cache, "offloading", False):
+        raise ValueError(
+            "PACER decoding does not support an offloaded cache (cache_implementation='offloaded', or "
+            f"DynamicCache(offloading=True)): {_OFFLOADING}. {_USE_INSTEAD}."
         )
     if cache.get_seq_length() > 0:
         raise ValueError(
-            f"PACER decoding needs an empty cache; the one passed already holds {cache.get_seq_length()} tokens."
+            f"PACER decoding needs an empty cache; the one passed already holds {cache.get_seq_length()} tokens. "
+            "Pass the whole prompt as input_ids and no cache (PACER does not continue from a prefilled cache)."
         )
 
 
@@ -406,6 +437,7 @@ def _check_inputs(model, draft_model, head, policy, input_ids, generation_config
     mask = model_kwargs.get("attention_mask")
     if mask is not None and not bool((mask == 1).all()):
         raise ValueError("PACER decoding does not support padded inputs (attention_mask with zeros).")
+    _check_cache_implementation(generation_config.cache_implementation, "in the generation config")
     _check_cache(model, _given_cache(model_kwargs))
     _check_cache(draft_model, None)
 
@@ -565,6 +597,18 @@ def generate(*args, model=None, **kwargs):
     return _generate(model, *args, **kwargs)
 
 
+def _requested_cache_implementation(model, generation_config, kwargs) -> tuple:
+    """`(cache_implementation, where it was set)` as `generate` will resolve it: its own argument first, then the
+    `generation_config` passed, then the model's."""
+    if "cache_implementation" in kwargs:
+        return kwargs["cache_implementation"], "passed to generate"
+    for config, source in ((generation_config, "in the generation_config passed"),
+                           (getattr(model, "generation_config", None), "in the model's generation_config")):
+        if config is not None and getattr(config, "cache_implementation", None) is not None:
+            return config.cache_implementation, source
+    return None, "unset"
+
+
 def _generate(
     model,
     inputs: torch.Tensor | None = None,
@@ -596,6 +640,7 @@ def _generate(
         )
     if assistant_model is None:
         raise ValueError("PACER decoding needs a draft model: pass `assistant_model=draft`.")
+    _check_cache_implementation(*_requested_cache_implementation(model, generation_config, kwargs))
     plain["generation_config"], stopping_criteria = _stop_strings_as_criteria(
         model, generation_config, stopping_criteria, kwargs
     )
