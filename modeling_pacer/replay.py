@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from .custom_generate.generate import DecodeStep, _crop_to, _forward, cache_kwargs, entropy
+from .custom_generate.generate import DecodeStep, cache_kwargs, crop_cache, entropy, model_forward
 from .custom_generate.policies import DraftView, StoppingPolicy
 
 
@@ -64,19 +64,19 @@ def measure_costs(target, draft, head, input_ids: torch.Tensor, max_tokens: int,
     tokens, the draft for one, the head over a `max_tokens - 1` draft."""
     def after_prefix(model):
         cache = DynamicCache(config=model.config)
-        _forward(model, input_ids, cache, 1)
+        model_forward(model, input_ids, cache, 1)
         return cache
 
     target_cache, draft_cache = after_prefix(target), after_prefix(draft)
     prefix = input_ids.shape[1]
 
     def target_step(n):
-        _forward(target, input_ids[:, -1:].repeat(1, n), target_cache, n)
-        _crop_to(target_cache, prefix)
+        model_forward(target, input_ids[:, -1:].repeat(1, n), target_cache, n)
+        crop_cache(target_cache, prefix)
 
     def draft_step():
-        _forward(draft, input_ids[:, -1:], draft_cache, 1)
-        _crop_to(draft_cache, prefix)
+        model_forward(draft, input_ids[:, -1:], draft_cache, 1)
+        crop_cache(draft_cache, prefix)
 
     costs = {n: _median_seconds(lambda n=n: target_step(n), repeats) for n in range(1, max_tokens + 1)}
     head_call = 0.0
@@ -198,18 +198,18 @@ def record_trace_by_decoding(draft, input_ids: torch.Tensor, output: torch.Tenso
     cache = DynamicCache(config=draft.config)
     prefix = input_ids.shape[1]
     if prefix > 1:
-        _forward(draft, ids[:, : prefix - 1], cache, 1)
+        model_forward(draft, ids[:, : prefix - 1], cache, 1)
     match = torch.zeros(n, dtype=torch.long)
     probs = torch.zeros(n, max_draft)
     entropies = torch.zeros(n, max_draft)
     hidden = None
     for i in range(n):
         base = prefix + i  # tokens of context for output position i
-        _crop_to(cache, base - 1)
+        crop_cache(cache, base - 1)
         feed = ids[:, cache.get_seq_length() : base]
         drafted = []
         for j in range(max_draft):
-            logits, states = _forward(draft, feed, cache, 1, hidden=with_hidden)
+            logits, states = model_forward(draft, feed, cache, 1, hidden=with_hidden)
             dist = logits[0, 0].softmax(-1)
             token = int(dist.argmax())
             probs[i, j] = dist[token]
@@ -343,17 +343,17 @@ def record_trace(draft, target, input_ids: torch.Tensor, output: torch.Tensor, m
 
     # continuation after each miss position p (ascending): context prompt + output[:p], then the miss
     cont = {}
-    _crop_to(cache, prefix - 1)
+    crop_cache(cache, prefix - 1)
     for p in torch.nonzero(~correct).flatten().tolist():
-        _forward(draft, ids[:, cache.get_seq_length() : prefix + p], cache, 1)  # catch up, teacher-forced
+        model_forward(draft, ids[:, cache.get_seq_length() : prefix + p], cache, 1)  # catch up, teacher-forced
         feed, rows = tf_tokens[p].view(1, 1), []
         for _ in range(max_draft - 1):
-            logits, states = _forward(draft, feed, cache, 1, hidden=True)
-            token, prob, entropy = _features(logits[0].cpu())
-            rows.append((prob[0], entropy[0], states[0, 0].cpu()))
+            logits, states = model_forward(draft, feed, cache, 1, hidden=True)
+            token, prob, token_entropy = _features(logits[0].cpu())
+            rows.append((prob[0], token_entropy[0], states[0, 0].cpu()))
             feed = token.view(1, 1)
         cont[p] = rows
-        _crop_to(cache, prefix + p)
+        crop_cache(cache, prefix + p)
 
     # draft tokens past the end of the output are never drafted (the budget stops them): left as zeros
     probs = torch.zeros(n, max_draft)

@@ -156,7 +156,7 @@ def cache_kwargs(model, cache) -> dict:
 # --------------------------------------------------------------------------------------------------
 # step functions
 # --------------------------------------------------------------------------------------------------
-def _forward(model, tokens: torch.LongTensor, cache, num_logits: int, hidden: bool = False):
+def model_forward(model, tokens: torch.LongTensor, cache, num_logits: int, hidden: bool = False):
     """Feed `tokens` `(1, n)` after what `cache` holds.
 
     Returns `(logits (1, num_logits, vocab) float32, last hidden states (1, num_logits, hidden) or None)`.
@@ -170,7 +170,7 @@ def _forward(model, tokens: torch.LongTensor, cache, num_logits: int, hidden: bo
     return logits, states
 
 
-def _crop_to(cache, length: int) -> None:
+def crop_cache(cache, length: int) -> None:
     """Keep the first `length` positions of `cache` (transformers 5's `crop` takes a negative count to drop).
 
     Called after every step, even with nothing to drop: `crop(0)` trims sliding-window layers, which
@@ -204,7 +204,7 @@ def _pick(scores: torch.Tensor, do_sample: bool) -> torch.LongTensor:
 
 
 @dataclass
-class Draft:
+class Proposal:
     """The proposal of one step: `tokens` `(1, k)`, processed draft `scores` `(1, k, vocab)`, what
     the policy saw of it (`None` when nothing was drafted), and the draft's last hidden states
     `(1, k, hidden)` that produced the tokens when they were kept."""
@@ -228,7 +228,7 @@ def propose(
     eos_token_ids: set[int],
     stats: PacerStats,
     keep_hidden: bool = False,
-) -> Draft:
+) -> Proposal:
     """Draft up to `budget` tokens after `ids` `(1, L)`, asking `policy` after each one.
 
     The draft cache may lag behind `ids` (after a fully accepted step it misses the last draft
@@ -239,7 +239,7 @@ def propose(
     cap = min(step_cap, budget)
     cap_reason = "budget" if budget < step_cap else "max_draft_length"
     if cap <= 0:
-        return Draft(ids[:, :0], torch.empty(1, 0, 0, device=device), cap_reason)
+        return Proposal(ids[:, :0], torch.empty(1, 0, 0, device=device), cap_reason)
 
     tokens: list[torch.Tensor] = []
     scores: list[torch.Tensor] = []
@@ -261,7 +261,7 @@ def propose(
     feed = ids[:, draft_cache.get_seq_length() :]
     while True:
         with _Timer(stats, "draft", device):
-            logits, hidden = _forward(draft_model, feed, draft_cache, 1, hidden=policy.needs_head or keep_hidden)
+            logits, hidden = model_forward(draft_model, feed, draft_cache, 1, hidden=policy.needs_head or keep_hidden)
         stats.draft_forwards += 1
         score = logits_processor(seq, logits[:, 0, :].to(device))
         token = _pick(score, do_sample)
@@ -287,40 +287,42 @@ def propose(
         feed = token
 
     hidden_states = torch.cat(states, dim=1) if states else None
-    return Draft(torch.cat(tokens, dim=1), torch.stack([s[0] for s in scores], dim=0)[None], reason, view, hidden_states)
+    return Proposal(torch.cat(tokens, dim=1), torch.stack([s[0] for s in scores], dim=0)[None], reason, view, hidden_states)
 
 
-def verify(model, target_cache, ids: torch.LongTensor, draft: Draft, logits_processor, stats: PacerStats):
+def verify(model, target_cache, ids: torch.LongTensor, proposal: Proposal, logits_processor, stats: PacerStats):
     """One target forward over `[ids not yet in the cache] + draft tokens`.
 
     Returns `(raw logits, processed scores)`, both `(1, k + 1, vocab)`: row i is the target's
     next-token distribution after `ids + d_1..d_i`.
     """
-    k = draft.tokens.shape[1]
-    feed = torch.cat([ids[:, target_cache.get_seq_length() :], draft.tokens], dim=1)
+    k = proposal.tokens.shape[1]
+    feed = torch.cat([ids[:, target_cache.get_seq_length() :], proposal.tokens], dim=1)
     with _Timer(stats, "target", ids.device):
-        logits, _ = _forward(model, feed, target_cache, k + 1)
+        logits, _ = model_forward(model, feed, target_cache, k + 1)
     stats.target_forwards += 1
     logits = logits.to(ids.device)
-    prefix = torch.cat([ids, draft.tokens], dim=1)
+    prefix = torch.cat([ids, proposal.tokens], dim=1)
     return logits, _process(logits_processor, prefix, logits)
 
 
-def accept(ids: torch.LongTensor, draft: Draft, target_scores: torch.Tensor, do_sample: bool):
+def accept(ids: torch.LongTensor, proposal: Proposal, target_scores: torch.Tensor, do_sample: bool):
     """Which draft tokens survive, plus one token from the target.
 
-    Returns `(new_tokens (1, n + 1), n)` with n the number of accepted draft tokens.
+    Returns `(new_tokens (1, num_accepted + 1), num_accepted)`.
     """
-    k = draft.tokens.shape[1]
+    k = proposal.tokens.shape[1]
     if k == 0:
         return _pick(target_scores[:, 0, :], do_sample), 0
     if do_sample:
         # transformers' Algorithm 1 of Leviathan et al.: the output distribution is exactly the target's
-        new_tokens, n = _speculative_sampling(torch.cat([ids, draft.tokens], dim=1), draft.scores, k, target_scores)
-        return new_tokens, int(n)
+        new_tokens, num_accepted = _speculative_sampling(
+            torch.cat([ids, proposal.tokens], dim=1), proposal.scores, k, target_scores
+        )
+        return new_tokens, int(num_accepted)
     target_tokens = target_scores.argmax(-1)  # (1, k + 1)
-    n = int((draft.tokens == target_tokens[:, :k]).int().cumprod(dim=1).sum())
-    return torch.cat([draft.tokens[:, :n], target_tokens[:, n : n + 1]], dim=1), n
+    num_accepted = int((proposal.tokens == target_tokens[:, :k]).int().cumprod(dim=1).sum())
+    return torch.cat([proposal.tokens[:, :num_accepted], target_tokens[:, num_accepted : num_accepted + 1]], dim=1), num_accepted
 
 
 # --------------------------------------------------------------------------------------------------
@@ -465,8 +467,8 @@ def pacer_decoding(
     """The decoding loop, in the shape of transformers' `custom_generate` callables: `generate`
     prepares the generation config, logits processors and stopping criteria, then calls this.
 
-    `pacer_step_callback(ids, draft, target_scores, num_accepted)`, if given, sees every step before
-    its tokens are emitted (`ids` `(1, L)` the sequence so far, `draft` a [`Draft`] with hidden states
+    `pacer_step_callback(ids, proposal, target_scores, num_accepted)`, if given, sees every step before
+    its tokens are emitted (`ids` `(1, L)` the sequence so far, `proposal` a [`Proposal`] with hidden states
     kept, `target_scores` `(1, k + 1, vocab)`): this is how training data is recorded from real decoding.
 
     A `stopping_policy` instance is copied at the start of the call and the copy adapts (`reset`, `update`), so
@@ -503,7 +505,7 @@ def pacer_decoding(
     # plain step) feeds `[last token, drafts...]` and gets one distribution per fed token
     if input_ids.shape[1] > 1:
         with _Timer(stats, "target", input_ids.device):
-            _forward(model, input_ids[:, :-1], target_cache, 1)
+            model_forward(model, input_ids[:, :-1], target_cache, 1)
         stats.target_forwards += 1
 
     ids = input_ids
@@ -511,14 +513,14 @@ def pacer_decoding(
     while not finished:
         # one verification yields one more token than was drafted, so never draft past max_length - 1
         budget = generation_config.max_length - ids.shape[1] - 1
-        draft = propose(draft_model, draft_cache, pacer_head, policy, ids, budget, logits_processor,
-                        do_sample, eos_token_ids, stats, keep_hidden=pacer_step_callback is not None)
-        raw_logits, target_scores = verify(model, target_cache, ids, draft, logits_processor, stats)
-        new_tokens, n = accept(ids, draft, target_scores, do_sample)
-        k = draft.tokens.shape[1]
-        policy.update(draft.view, n)
+        proposal = propose(draft_model, draft_cache, pacer_head, policy, ids, budget, logits_processor,
+                           do_sample, eos_token_ids, stats, keep_hidden=pacer_step_callback is not None)
+        raw_logits, target_scores = verify(model, target_cache, ids, proposal, logits_processor, stats)
+        new_tokens, num_accepted = accept(ids, proposal, target_scores, do_sample)
+        k = proposal.tokens.shape[1]
+        policy.update(proposal.view, num_accepted)
         if pacer_step_callback is not None:
-            pacer_step_callback(ids, draft, target_scores, n)
+            pacer_step_callback(ids, proposal, target_scores, num_accepted)
 
         emitted = 0
         for i in range(new_tokens.shape[1]):
@@ -531,14 +533,14 @@ def pacer_decoding(
             if bool(stopping_criteria(ids, target_scores[:, i, :]).any()):
                 finished = True
                 break
-        stats.steps.append(DecodeStep(drafted=k, accepted=n, emitted=emitted, stop_reason=draft.stop_reason))
+        stats.steps.append(DecodeStep(drafted=k, accepted=num_accepted, emitted=emitted, stop_reason=proposal.stop_reason))
         if pacer_streamer is not None:
             pacer_streamer.put(ids[0, -emitted:].cpu())
 
         # roll the caches back to the accepted prefix: the target holds all of `ids` but the last token,
         # the draft whatever of that it has actually seen (it never fed its own last draft token)
-        _crop_to(target_cache, ids.shape[1] - 1)
-        _crop_to(draft_cache, ids.shape[1] - 1)
+        crop_cache(target_cache, ids.shape[1] - 1)
+        crop_cache(draft_cache, ids.shape[1] - 1)
 
     if pacer_streamer is not None:
         pacer_streamer.end()
