@@ -28,6 +28,17 @@ class PacerHeadOutput(ModelOutput):
     logits: torch.FloatTensor | None = None
 
 
+def acceptance_loss(logits: torch.Tensor, labels: torch.Tensor, positive_weight: float = 1.0) -> torch.Tensor:
+    """Binary cross-entropy of acceptance `logits` against `labels` (1 accepted, 0 rejected, or a soft
+    acceptance probability), ignoring entries < 0 (padding); `positive_weight` weighs accepted tokens
+    (BCE's `pos_weight`), for pairs whose labels are very unbalanced."""
+    keep = labels >= 0
+    pos_weight = torch.tensor(positive_weight, device=logits.device) if positive_weight != 1.0 else None
+    return nn.functional.binary_cross_entropy_with_logits(
+        logits[keep].float(), labels[keep].to(torch.float32), pos_weight=pos_weight
+    )
+
+
 class PacerPreTrainedModel(PreTrainedModel):
     config_class = PacerConfig
     base_model_prefix = "pacer"
@@ -177,12 +188,7 @@ class PacerHead(PacerPreTrainedModel):
         x = self.layer(x, src_mask=blocked)
         logits = self.classifier(self.norm(x)).squeeze(-1)
 
-        loss = None
-        if labels is not None:
-            keep = labels >= 0
-            loss = nn.functional.binary_cross_entropy_with_logits(
-                logits[keep].float(), labels[keep].to(torch.float32)
-            )
+        loss = acceptance_loss(logits, labels) if labels is not None else None
         return PacerHeadOutput(loss=loss, logits=logits)
 
     @torch.no_grad()
@@ -196,4 +202,4 @@ class PacerHead(PacerPreTrainedModel):
 PacerConfig.register_for_auto_class()
 PacerHead.register_for_auto_class("AutoModel")
 
-__all__ = ["PacerConfig", "PacerHead", "PacerHeadOutput", "PacerPreTrainedModel"]
+__all__ = ["PacerConfig", "PacerHead", "PacerHeadOutput", "PacerPreTrainedModel", "acceptance_loss"]
