@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from modeling_pacer import PacerConfig, PacerHead
-from modeling_pacer.benchmarks.traces import record_trace_fast
+from modeling_pacer.replay import record_trace
 from modeling_pacer.training.data import PackedDraftCollator, examples_from_trace, simulate_drafts, to_dataset
-from modeling_pacer.training.pacer_config import PacerTrainingArguments
-from modeling_pacer.training.pacer_trainer import PacerTrainer, acceptance_metrics, roc_auc
+from modeling_pacer.training.training_args import PacerTrainingArguments
+from modeling_pacer.training.trainer import PacerTrainer, acceptance_metrics, roc_auc
 
 from conftest import VOCAB, make_pair
 
@@ -22,7 +22,7 @@ def test_fast_labels_equal_exact_simulation(arch, prompt_length, new):
     exact, sequences = simulate_drafts(target, draft, ids, new, MAX_DRAFT)
     output = sequences[0, prompt_length:]
     assert output.tolist() == target.generate(ids, max_new_tokens=new)[0, prompt_length:].tolist()
-    fast = {e["start"]: e for e in examples_from_trace(record_trace_fast(draft, target, ids, output, MAX_DRAFT))}
+    fast = {e["start"]: e for e in examples_from_trace(record_trace(draft, target, ids, output, MAX_DRAFT))}
     assert len(fast) == new - 1 and len(exact) >= 2
     assert any(e["labels"].sum() > 0 for e in exact) and any(e["labels"].min() == 0 for e in exact)
     for e in exact:  # every draft the real decoding sent is among the fast mode's, labelled the same
@@ -105,6 +105,39 @@ def test_trainer_learns_a_toy_task(tmp_path):
     assert 0 <= last["eval_ece"] < 0.2
 
 
+def test_training_arguments_refuse_what_cannot_train(tmp_path):
+    """Checked when built, before accelerate's set-up: a learning rate or an epoch count that would leave the
+    head as initialised; the evaluation batch follows the training batch unless set."""
+    for bad, flag in [(dict(learning_rate=0.0), "--lr"), (dict(num_train_epochs=0), "--epochs"),
+                      (dict(per_device_train_batch_size=0), "--batch-size"), (dict(max_tokens_per_row=0), "row"),
+                      (dict(positive_weight=-1.0), "--positive-weight")]:
+        with pytest.raises(ValueError, match=flag):
+            PacerTrainingArguments(output_dir=str(tmp_path), **bad)
+    assert PacerTrainingArguments(output_dir=str(tmp_path), num_train_epochs=0, max_steps=5).max_steps == 5
+    args = PacerTrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=32)
+    assert args.per_device_eval_batch_size == 32
+    assert PacerTrainingArguments(output_dir=str(tmp_path), per_device_eval_batch_size=8).per_device_eval_batch_size == 8
+
+
+def test_trainer_loss_is_the_heads_own(tmp_path):
+    """One home for the loss: the trainer's equals PacerHead.forward's, and weighs accepted tokens as asked."""
+    from modeling_pacer.modeling_pacer import acceptance_loss
+
+    torch.manual_seed(0)
+    head = PacerHead(PacerConfig(draft_hidden_size=8, hidden_size=16, num_attention_heads=2, intermediate_size=32,
+                                 max_draft_length=8))
+    hidden = torch.randn(2, 5, 8)
+    labels = torch.tensor([[1.0, 1.0, 0.0, -100.0, -100.0], [1.0, 0.0, 0.0, 0.0, -100.0]])
+    for weight in (1.0, 3.0):
+        trainer = PacerTrainer(model=head, args=PacerTrainingArguments(output_dir=str(tmp_path), positive_weight=weight))
+        loss = trainer.compute_loss(head, dict(hidden_states=hidden, labels=labels.clone()))
+        logits = head(hidden_states=hidden).logits
+        assert torch.equal(loss, acceptance_loss(logits, labels, weight))
+        if weight == 1.0:
+            assert torch.equal(loss, head(hidden_states=hidden, labels=labels).loss)
+    assert loss > head(hidden_states=hidden, labels=labels).loss  # the accepted tokens' terms count three times
+
+
 def test_acceptance_metrics_ignore_padding():
     from transformers import EvalPrediction
 
@@ -117,8 +150,8 @@ def test_acceptance_metrics_ignore_padding():
 def test_first_token_auc_reads_only_first_positions():
     from types import SimpleNamespace
 
-    from modeling_pacer.benchmarks.traces import Trace
-    from modeling_pacer.training.pacer_trainer import first_token_auc
+    from modeling_pacer.replay import Trace
+    from modeling_pacer.training.trainer import first_token_auc
 
     match = torch.tensor([0, 2, 0, 1, 0])  # the last start is never drafted from
     trace = Trace("d", "p", match, hidden=torch.zeros(5, 3, 4, dtype=torch.float16))
@@ -135,7 +168,7 @@ def test_first_token_auc_reads_only_first_positions():
 def test_tuned_rule_is_never_worse_than_a_fixed_length_it_can_express():
     """The grid holds fixed lengths 1-5 (t0 = 1.0); with free head calls the tuned rule matches or beats them."""
     from modeling_pacer import PacerConfig, PacerHead
-    from modeling_pacer.benchmarks.traces import CostModel, Trace
+    from modeling_pacer.replay import CostModel, Trace
     from modeling_pacer.training.tuning import best_fixed_length, tune_pacer
 
     g = torch.Generator().manual_seed(0)

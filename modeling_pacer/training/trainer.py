@@ -5,7 +5,7 @@ import torch
 from transformers import EvalPrediction, Trainer
 
 from .data import PackedDraftCollator
-from .pacer_config import PacerTrainingArguments
+from .training_args import PacerTrainingArguments
 
 
 def roc_auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
@@ -57,7 +57,7 @@ def first_token_auc(head, traces) -> float:
     """AUC of the head's prediction for the first token of a draft, over every draft start of greedy
     `traces`. The pooled AUC over all draft positions is flattered by position alone (late tokens are
     rarely accepted); this one measures the decision that matters most: is drafting worth starting."""
-    from ..benchmarks.traces import head_acceptance
+    from ..replay import head_acceptance
 
     scores, labels = [], []
     for trace in traces:
@@ -83,13 +83,11 @@ class PacerTrainer(Trainer):
                          compute_metrics=compute_metrics or acceptance_metrics, **kwargs)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """The head's own loss (`acceptance_loss`, as `PacerHead.forward` computes it), here with the
+        arguments' `positive_weight`, which the head's forward does not take."""
+        from ..modeling_pacer import acceptance_loss
+
         labels = inputs.pop("labels")
         outputs = model(**inputs)
-        keep = labels >= 0
-        weight = getattr(self.args, "positive_weight", 1.0)
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(
-            outputs.logits[keep].float(), labels[keep].float(),
-            pos_weight=torch.tensor(weight, device=labels.device) if weight != 1.0 else None,
-        )
-        outputs.loss = loss
-        return (loss, outputs) if return_outputs else loss
+        outputs.loss = acceptance_loss(outputs.logits, labels, getattr(self.args, "positive_weight", 1.0))
+        return (outputs.loss, outputs) if return_outputs else outputs.loss

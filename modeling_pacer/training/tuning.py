@@ -7,7 +7,7 @@ trained on, with the pair's measured cost model; the fastest becomes the head's 
 import itertools
 from dataclasses import dataclass
 
-from ..benchmarks.traces import CostModel, Trace, head_acceptance, oracle, replay
+from ..replay import CostModel, Trace, head_acceptance, oracle, replay
 from ..custom_generate.policies import FixedLength, Pacer
 
 BLOCK_SIZES = (1, 2, 3, 4, 5)
