@@ -333,7 +333,10 @@ def test_unwritable_out_and_bad_recipes_stop_before_any_model(tmp_path, no_loadi
              (["run", str(tmp_path / "no-such-recipe.yaml")], "no-such-recipe.yaml"),
              (["run", str(RECIPE), "--n", "3"], "sole argument")]
     for name, change, message in [("zero", dict(max_draft=0), "--max-draft"), ("nan", dict(learning_rate=0.0), "--lr"),
-                                  ("unknown", dict(epochs=8), "epochs"), ("no-out", dict(out=None), "out")]:
+                                  ("unknown", dict(epochs=8), "epochs"), ("no-out", dict(out=None), "out"),
+                                  ("string", dict(learning_rate="1e-3"), "write 0.001"),
+                                  ("unchecked-string", dict(weight_decay="1e-2"), "recipe key weight_decay"),
+                                  ("fraction", dict(n=20.5), "recipe key n"), ("switch", dict(quantize_draft="yes"), "true or false")]:
         path = tmp_path / f"{name}.yaml"
         path.write_text(yaml.safe_dump({k: v for k, v in {**recipe, **change}.items() if v is not None}))
         cases.append((["run", str(path)], message))

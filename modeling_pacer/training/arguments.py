@@ -11,7 +11,10 @@ or recipe key stops the command with a message naming it before a model is loade
 can take hours, and an argument that cannot work should not cost them.
 """
 
+import dataclasses
 import re
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -184,6 +187,32 @@ def check_run(args: RunArguments) -> None:
     _check(args.training.output_dir == "trainer_output",
            f"--output-dir {args.training.output_dir}: pacer-train keeps the trainer's checkpoints in OUT/trainer; "
            "choose the folder with --out.")
+
+
+def _plain_type(annotation):
+    """`int` for `int` and `int | None`; the annotation itself otherwise."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        rest = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return rest[0] if len(rest) == 1 else annotation
+    return annotation
+
+
+def check_recipe_types(*instances) -> None:
+    """A recipe's values reach the dataclasses as YAML or JSON typed them (HfArgumentParser converts the
+    flags' strings, not a file's values): a number, or a switch, of another type would otherwise fail only when
+    training uses it, hours later. YAML reads `1e-3` as a string."""
+    accepted = {int: (int,), float: (int, float), bool: (bool,)}
+    for instance in instances:
+        hints = typing.get_type_hints(type(instance))
+        for f in dataclasses.fields(instance):
+            kind = _plain_type(hints[f.name]) if f.init else None
+            value = getattr(instance, f.name)
+            if kind not in accepted or value is None:
+                continue
+            if not isinstance(value, accepted[kind]) or (kind is not bool and isinstance(value, bool)):
+                raise ValueError(f"recipe key {f.name}: {value!r} is not {'true or false' if kind is bool else 'a number'}"
+                                 + (" (YAML reads 1e-3 as a string: write 0.001 or 1.0e-3)" if isinstance(value, str) else "")
+                                 + ".")
 
 
 def ensure_writable_folder(path: Path, flag: str = "--out") -> None:

@@ -26,6 +26,7 @@ from .arguments import (
     PacerTrainScriptArguments,
     PairArguments,
     RunArguments,
+    check_recipe_types,
     check_run,
     ensure_writable_folder,
 )
@@ -92,6 +93,7 @@ def parse_run_args(argv: list[str], parser: HfArgumentParser | None = None) -> R
     try:
         if recipe:
             training, pair, script = parse_recipe(parser, recipe)
+            check_recipe_types(training, pair, script)
         else:
             training, pair, script, unknown = parser.parse_args_into_dataclasses(
                 argv, return_remaining_strings=True, look_for_args_file=False)
@@ -101,8 +103,11 @@ def parse_run_args(argv: list[str], parser: HfArgumentParser | None = None) -> R
                 parser.error(f"unrecognized arguments: {' '.join(unknown)}")
         args = RunArguments(script, pair, training)
         check_run(args)
-    except (ValueError, TypeError) as error:  # a dataclass's own check, or a recipe value of the wrong type
+    except ValueError as error:  # a dataclass's own check
         parser.error(str(error))
+    except TypeError as error:  # a recipe's value of the wrong type, or a required key missing
+        parser.error(f"recipe {recipe}: {error} (a value of the wrong type? YAML reads 1e-3 as a string: write 0.001 "
+                     "or 1.0e-3)" if recipe else str(error))
     return args
 
 
