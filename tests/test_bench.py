@@ -305,6 +305,8 @@ def test_trace_files_round_trip_and_a_pickle_runs_nothing(setup, tmp_path):
     (["--datasets", "nosuch"], "--datasets: invalid choice"),
     (["--methods", "target", "nosuch"], "Unknown methods"),
     (["--methods", "fixed-2"], "must include 'target'"),
+    (["--pair", "no/such-pair"], "--pair"),
+    (["--target", "org/big"], "--target org/big needs --draft"),
     (["--gammas", "0"], "--gammas: .*at least 1"),
     (["--head", "no/such/folder/x"], "--head"),
     (["--out", "/proc/no-such-folder/out"], "not a writable folder"),

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from modeling_pacer.pairs import add_pair_arguments
+from modeling_pacer.pairs import PairArguments, add_pair_arguments
 from modeling_pacer.prompts import DATASETS
 
 QUICK_METHODS = ["target", "hf-assisted", "hf-constant-2", "fixed-2", "heuristic", "svip", "specdec++", "pacer"]
@@ -106,6 +106,7 @@ def validate(args) -> None:
         if args.head is not None and not Path(args.head).exists() and not re.fullmatch(r"[\w.-]+/[\w.-]+", args.head):
             raise ValueError(f"--head {args.head}: no such folder, and not a Hub repo id (org/name).")
     if args.command == "run":
+        PairArguments(args.pair, args.target, args.draft, args.quantize_draft)  # the names, checked; nothing loads
         for dataset in args.datasets:
             prompt_file(dataset)  # PromptsNotInstalledError names the command that installs it
         if args.record_traces:

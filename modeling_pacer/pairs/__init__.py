@@ -27,6 +27,7 @@ from __future__ import annotations
 from .gguf import assemble, convert_gguf, converted_ok, ensure_converted, ensure_gguf, part_paths, sha256_file
 from .loading import (
     LoadedPair,
+    PairArguments,
     add_pair_arguments,
     load_model,
     load_pair,
@@ -55,7 +56,7 @@ from .registry import (
 )
 
 __all__ = [
-    "DEFAULT_PAIR", "PAIRS", "ChecksumError", "GGUFParts", "LoadedPair", "ModelSource", "PairSpec",
+    "DEFAULT_PAIR", "PAIRS", "ChecksumError", "GGUFParts", "LoadedPair", "ModelSource", "PairArguments", "PairSpec",
     "WeightsNotInstalledError", "add_pair_arguments", "assemble", "cache_root", "convert_gguf", "converted_ok",
     "converted_path", "default_head_path", "ensure_converted", "ensure_gguf", "get_pair", "gguf_path",
     "install_command", "load_model", "load_pair", "load_tokenizer", "model_location", "pair_from_args",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import time
 import warnings
@@ -162,13 +163,46 @@ def load_pair(
     return LoadedPair(target, draft_model, tokenizer, spec.name, spec.target, spec.draft, seconds)
 
 
+@dataclass
+class PairArguments:
+    """The models, chosen as in every pacer command (`--pair`, `--target`, `--draft`, `--quantize-draft`)."""
+
+    pair: str | None = field(
+        default=None, metadata={"help": f"a registered pair (default: {DEFAULT_PAIR}, offline from PyPI)"},
+    )
+    target: str | None = field(
+        default=None, metadata={"help": "target repo id, folder or .gguf (with --draft), instead of --pair"},
+    )
+    draft: str | None = field(default=None, metadata={"help": "draft repo id, folder or .gguf (replaces the pair's draft)"})
+    quantize_draft: bool = field(
+        default=False,
+        metadata={"help": "dynamic-int8 draft: cheaper drafting, still lossless (only the target's numerics matter); "
+                          "a head is trained on (and recorded with) the draft it will serve"},
+    )
+
+    def __post_init__(self):
+        # the names alone (registered pair, or a target with its draft): nothing is read or loaded yet
+        if self.target and not self.draft and self.target not in PAIRS:
+            raise ValueError(f"--target {self.target} needs --draft (the draft model that proposes its tokens).")
+        try:
+            resolve_pair(self.target or self.pair or DEFAULT_PAIR, self.draft)
+        except (KeyError, ValueError) as error:
+            raise ValueError(f"{'--target' if self.target else '--pair'}: {error}") from None
+
+    @property
+    def is_default(self) -> bool:
+        """No model was named: the registry's default pair, whose draft's Hub id the card can name."""
+        return not (self.pair or self.target or self.draft)
+
+
 def add_pair_arguments(parser: argparse.ArgumentParser) -> None:
-    """`--pair`, `--target`, `--draft`, `--quantize-draft`: how every pacer command chooses its models."""
-    parser.add_argument("--pair", default=None, help=f"a registered pair (default: {DEFAULT_PAIR}, offline from PyPI)")
-    parser.add_argument("--target", help="target repo id, folder or .gguf (with --draft), instead of --pair")
-    parser.add_argument("--draft", help="draft repo id, folder or .gguf (replaces the pair's draft)")
-    parser.add_argument("--quantize-draft", action="store_true",
-                        help="dynamic-int8 draft: cheaper drafting, still lossless (only the target's numerics matter)")
+    """`--pair`, `--target`, `--draft`, `--quantize-draft` on an argparse parser, from [`PairArguments`]."""
+    for f in dataclasses.fields(PairArguments):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in (bool, "bool"):
+            parser.add_argument(flag, action="store_true", help=f.metadata["help"])
+        else:
+            parser.add_argument(flag, default=f.default, help=f.metadata["help"])
 
 
 def pair_from_args(args, **kwargs) -> LoadedPair:

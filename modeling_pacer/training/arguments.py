@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from ..pairs import DEFAULT_PAIR, PAIRS, resolve_pair
+from ..pairs import PairArguments
 from .data import PROMPT_FILTERS, prompt_pattern
 from .training_args import PacerTrainingArguments
 
@@ -27,38 +27,6 @@ from .training_args import PacerTrainingArguments
 def held_out_count(num_prompts: int, eval_fraction: float) -> int:
     """How many of `num_prompts` prompts (the last ones) are held out for evaluation and tuning: at least one."""
     return max(1, round(num_prompts * eval_fraction))
-
-
-@dataclass
-class PairArguments:
-    """The models, chosen as in every pacer command (`--pair`, `--target`, `--draft`, `--quantize-draft`)."""
-
-    pair: str | None = field(
-        default=None, metadata={"help": f"a registered pair (default: {DEFAULT_PAIR}, offline from PyPI)"},
-    )
-    target: str | None = field(
-        default=None, metadata={"help": "target repo id, folder or .gguf (with --draft), instead of --pair"},
-    )
-    draft: str | None = field(default=None, metadata={"help": "draft repo id, folder or .gguf (replaces the pair's draft)"})
-    quantize_draft: bool = field(
-        default=False,
-        metadata={"help": "dynamic-int8 draft: cheaper drafting, still lossless (only the target's numerics matter); "
-                          "the head is then trained on (and recorded with) the int8 draft, the one it will serve"},
-    )
-
-    def __post_init__(self):
-        # the names alone (registered pair, or a target with its draft): nothing is read or loaded yet
-        if self.target and not self.draft and self.target not in PAIRS:
-            raise ValueError(f"--target {self.target} needs --draft (the draft model that proposes its tokens).")
-        try:
-            resolve_pair(self.target or self.pair or DEFAULT_PAIR, self.draft)
-        except (KeyError, ValueError) as error:
-            raise ValueError(f"{'--target' if self.target else '--pair'}: {error}") from None
-
-    @property
-    def is_default(self) -> bool:
-        """No model was named: the registry's default pair, whose draft's Hub id the card can name."""
-        return not (self.pair or self.target or self.draft)
 
 
 def _check(condition: bool, message: str) -> None:

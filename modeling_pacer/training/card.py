@@ -28,7 +28,7 @@ def speed_section(bench: dict | None) -> str:
         lines.append(f"| {r['method']} | {format_speedup(r)} | {r['tau']:.2f} | {lossless} |")
     prompts = max((r["prompts"] for r in rows), default=0)
     datasets = ", ".join(dict.fromkeys(r["dataset"] for r in bench["summary"] if r["dataset"] != "all"))
-    # a merged report (`pacer-bench --merge`) keeps the command of every run it merged
+    # a merged report (`pacer-bench merge`) keeps the command of every run it merged
     commands = [part["command"] for part in bench["meta"].get("parts", [])] + [bench["meta"].get("command")]
     return (f"Measured live by `pacer-bench` on this CPU ({prompts} prompts: {datasets}; "
             f"{bench['meta'].get('max_new_tokens')} new tokens, greedy), every method interleaved per prompt:\n\n"
