@@ -312,6 +312,8 @@ def test_trace_files_round_trip_and_a_pickle_runs_nothing(setup, tmp_path):
     (["--out", "/proc/no-such-folder/out"], "not a writable folder"),
     (["replay", "missing.safetensors"], "no such file"),
     (["merge", "missing.json"], "no such file"),
+    (["--replay", "t.safetensors"], "pacer-bench replay"),
+    (["--merge", "a.json"], "pacer-bench merge"),
 ])
 def test_bad_arguments_fail_before_any_model_loads(argv, message, monkeypatch, capsys):
     """Every argument is checked first: a clear usage error (exit 2), and the pair is never loaded."""

@@ -245,6 +245,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not argv or argv[0] not in COMMANDS and argv[0] not in ("-h", "--help"):
         argv = ["run", *argv]
     parser = build_parser()
+    for old, command in (("--replay", "replay"), ("--merge", "merge")):
+        if old in argv:  # the flags of earlier versions
+            parser.error(f"{old} is now a command of its own: pacer-bench {command} FILE... [options]")
     args = parser.parse_args(argv)
     apply_presets(args)
     try:
