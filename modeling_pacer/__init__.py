@@ -27,6 +27,7 @@ from .custom_generate.policies import (
     StoppingPolicy,
     make_policy,
 )
+from .exact_attention import exact_linears, make_exact  # importing registers attn_implementation="pacer_exact"
 from .modeling_pacer import PacerHead, PacerHeadOutput
 
 

@@ -1,0 +1,203 @@
+"""`attn_implementation="pacer_exact"`: attention whose every output row is computed the same way whatever
+the number of queries fed with it.
+
+Speculative decoding is lossless only if the target's verification forward (a block of k draft tokens
+after the cache) gives, row for row, the logits that k single-token decoding steps give. Fused attention
+kernels (`sdpa`) do not: how they tile, vectorise and reduce depends on the query length and on the key
+length they are handed, so in bf16 a block's rows differ from the steps' by an ulp here and there, enough
+to flip a near-tie between two tokens.
+
+Here the output row of the query at position p is computed by the same ops on tensors of the same
+shapes and layouts in every case (a decoding step, a verified block, a prefill):
+
+    scores = q_p (groups, head_dim) @ K[lo_p:p+1]^T      # float32, K/V cut to the keys p may see
+    probs  = softmax(scores * scaling)                   # float32
+    out_p  = probs @ V[lo_p:p+1]                         # float32, then cast to the input dtype
+
+Causality and sliding windows are applied by slicing the keys a row may see (a step at position p sees
+keys lo_p..p, and so does row p of a block), never by masking with -inf over a width that depends on
+the block. Grouped-query attention maps each key/value head to its `num_key_value_groups` query heads
+without repeating keys per query head. The model's own 4-D mask (created through the mask function registered alongside)
+is read to find each row's visible keys, and a mask that is not a causal (or sliding-window) pattern, such
+as one with padding, is refused: PACER decodes batch size 1 without padding.
+
+Attention is not the only op whose rows depend on the call's shape: on CPU, `nn.Linear` (q/k/v/o
+projections, the MLP, the LM head) takes another code path for a single row than for a block, in bf16 and
+float32, so a decoding step's rows differ from a block's there too. [`exact_linears`] feeds every linear
+layer at least a few rows (zero rows added, their results dropped), which keeps it on the block path;
+RMSNorm, rotary embeddings, activations and embeddings were measured row-invariant as they are.
+[`make_exact`] does both:
+
+    import modeling_pacer                               # registers "pacer_exact"
+    target = modeling_pacer.make_exact(AutoModelForCausalLM.from_pretrained(..., dtype=torch.bfloat16))
+    # pacer_exact alone: from_pretrained(..., attn_implementation="pacer_exact") or
+    # model.set_attn_implementation("pacer_exact"); bitwise equality also needs exact_linears(model)
+
+Use it for the target in plain decoding as well as under PACER: both then compute the same numbers. The
+attention costs one small matmul pair per query row and layer instead of one fused kernel per layer; the
+linear layers' padding costs little in bf16 (a few rows cost about what one does) and more in float32.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+NAME = "pacer_exact"
+
+
+def exact_attention_mask(*args, **kwargs):
+    """The model's mask for `pacer_exact`: `sdpa`'s boolean 4-D mask, never skipped (sdpa skips it for a
+    plain causal pattern), so that padding reaches `exact_attention_forward`, which refuses it."""
+    kwargs["allow_is_causal_skip"] = False
+    kwargs["allow_is_bidirectional_skip"] = False
+    return sdpa_mask(*args, **kwargs)
+
+
+def _row_ranges(attention_mask, q_len: int, kv_len: int, window: int | None) -> list[tuple[int, int]]:
+    """For each query row, the range [lo, hi) of keys it attends to.
+
+    Without a mask the keys are the cache's positions ending at the last query (a DynamicCache); with one,
+    the ranges are read from it and must be what a causal (sliding-window) pattern gives, else a clear error.
+    """
+    if attention_mask is None:
+        ranges = []
+        for i in range(q_len):
+            hi = kv_len - q_len + i + 1
+            ranges.append((max(0, hi - window) if window else 0, hi))
+        return ranges
+
+    mask = attention_mask
+    if mask.dim() != 4 or mask.shape[-2] != q_len or mask.shape[-1] != kv_len:
+        raise ValueError(
+            f"pacer_exact attention: expected a (batch, 1, {q_len}, {kv_len}) mask, got {tuple(mask.shape)}."
+        )
+    if mask.dtype != torch.bool:
+        # an additive mask: 0 where visible, a large negative number where not; any other bias is not a mask
+        visible = mask == 0
+        blocked = mask <= torch.finfo(mask.dtype).min / 2
+        if not bool((visible | blocked).all()):
+            raise ValueError("pacer_exact attention supports no attention bias, only a causal mask.")
+        mask = visible
+    rows = mask[0, 0] if mask.shape[1] == 1 else None
+    if rows is None or (mask.shape[0] > 1 and not bool((mask == mask[:1, :1]).all())):
+        raise ValueError("pacer_exact attention needs one mask shared by the batch and the heads (batch size 1).")
+    counts = rows.sum(-1)
+    if bool((counts == 0).any()):
+        raise ValueError("pacer_exact attention: a query row sees no key (padding?); batch size 1 without padding only.")
+    idx = torch.arange(kv_len, device=rows.device)
+    lo = torch.where(rows, idx, kv_len).amin(-1)
+    hi = torch.where(rows, idx, -1).amax(-1) + 1
+    contiguous = bool(((hi - lo) == counts).all())
+    steps = bool((hi[1:] - hi[:-1] == 1).all()) if q_len > 1 else True
+    lo_l, hi_l = lo.tolist(), hi.tolist()
+    expected_lo = [max(0, h - window) if window else 0 for h in hi_l]
+    if not (contiguous and steps and lo_l == expected_lo):
+        raise ValueError(
+            "pacer_exact attention: the attention mask is not a plain causal"
+            + (f" (sliding window {window})" if window else "")
+            + " pattern, e.g. it has padding. It supports batch size 1 without padding (pass no attention_mask, "
+            "or an all-ones one)."
+        )
+    return list(zip(lo_l, hi_l))
+
+
+def exact_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """`query` (batch, heads, q_len, head_dim), `key`/`value` (batch, kv_heads, kv_len, head_dim) ->
+    `(attn_output (batch, q_len, heads, head_dim), None)`, as transformers' attention functions."""
+    if not getattr(module, "is_causal", True) or kwargs.get("is_causal") is False:
+        raise ValueError("pacer_exact attention is for causal decoders only.")
+    for name in ("s_aux", "sinks", "position_bias"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"pacer_exact attention does not support `{name}`.")
+    batch, heads, q_len, head_dim = query.shape
+    kv_heads, kv_len = key.shape[1], key.shape[2]
+    if heads % kv_heads:
+        raise ValueError(f"pacer_exact attention: {heads} query heads for {kv_heads} key/value heads.")
+    groups = heads // kv_heads
+    if scaling is None:
+        scaling = head_dim**-0.5
+    window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+    softcap = kwargs.get("softcap")
+    ranges = _row_ranges(attention_mask, q_len, kv_len, window)
+
+    dtype = query.dtype
+    # (batch, kv_heads, groups, q_len, head_dim): the query heads that share a key/value head, side by side
+    q = query.reshape(batch, kv_heads, groups, q_len, head_dim)
+    rows = []
+    for i, (lo, hi) in enumerate(ranges):
+        # float32 copies, contiguous: the same values in the same layout whatever the call's q_len / kv_len
+        q_i = q[:, :, :, i, :].to(torch.float32).contiguous()  # (batch, kv_heads, groups, head_dim)
+        k_i = key[:, :, lo:hi, :].to(torch.float32).contiguous()  # (batch, kv_heads, n, head_dim)
+        v_i = value[:, :, lo:hi, :].to(torch.float32).contiguous()
+        scores = torch.matmul(q_i, k_i.transpose(-1, -2)) * scaling  # (batch, kv_heads, groups, n)
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        probs = torch.softmax(scores, dim=-1)
+        if dropout > 0.0:
+            probs = torch.nn.functional.dropout(probs, p=dropout, training=True)
+        out_i = torch.matmul(probs, v_i)  # (batch, kv_heads, groups, head_dim)
+        rows.append(out_i.reshape(batch, heads, head_dim).to(dtype))
+    return torch.stack(rows, dim=1), None  # (batch, q_len, heads, head_dim)
+
+
+def _row_invariant_linear_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """`nn.Linear.forward`, with fewer than `self._pacer_min_rows` rows padded with zero rows, the result cut back."""
+    rows = x.numel() // self.in_features
+    flat = x.reshape(rows, self.in_features)
+    if rows < self._pacer_min_rows:
+        flat = torch.cat([flat, flat.new_zeros(self._pacer_min_rows - rows, self.in_features)])
+    out = torch.nn.functional.linear(flat.contiguous(), self.weight, self.bias)[:rows]
+    return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def exact_linears(model: torch.nn.Module, min_rows: int | None = None) -> torch.nn.Module:
+    """Make every `nn.Linear` of `model` (this instance only) compute a row the same way whatever the number
+    of rows it is fed with. Returns the model.
+
+    CPU GEMM kernels pick their code path by the row count M: a single row (a decoding step) goes through a
+    matrix-vector path whose sums are ordered differently from the rows of a block, in bf16 and in float32
+    (where, with several threads, the work split also changes with small M). Feeding at least `min_rows`
+    rows (zero rows added, their results dropped) keeps every call on the path that blocks use. This is a
+    property of the kernels measured on CPU, not a guarantee by construction: tests/test_exact_attention.py
+    checks it. `min_rows` defaults to 4 for bf16 weights (cheap: a few rows cost what one does) and 16
+    otherwise (float32 needs more rows before its path stops changing with M).
+    """
+    for module in model.modules():
+        if type(module) is torch.nn.Linear:
+            if min_rows is None:
+                rows = 4 if module.weight.dtype == torch.bfloat16 else 16
+            else:
+                rows = min_rows
+            module._pacer_min_rows = rows
+            module.forward = types.MethodType(_row_invariant_linear_forward, module)
+    return model
+
+
+def make_exact(model: torch.nn.Module, min_rows: int | None = None) -> torch.nn.Module:
+    """`attn_implementation="pacer_exact"` and row-invariant linear layers ([`exact_linears`]) on `model`,
+    so that a k-token forward after a cache gives bitwise the logits of k single-token steps. Call it after
+    any dtype change (the linear layers' row count depends on their dtype). Returns the model."""
+    model.set_attn_implementation(NAME)
+    return exact_linears(model, min_rows)
+
+
+def register() -> None:
+    """Register `pacer_exact` with transformers (done on `import modeling_pacer`; idempotent)."""
+    AttentionInterface.register(NAME, exact_attention_forward)
+    AttentionMaskInterface.register(NAME, exact_attention_mask)
+
+
+register()
