@@ -10,6 +10,11 @@ from modeling_pacer import PacerConfig, PacerHead, enable_pacer
 
 VOCAB = 97
 
+# Tiny models gain nothing from intra-op threads, and on a shared 2-core machine two threads per process
+# oversubscribe the cores and slow these tests many times over. Each test compares results computed in
+# this one process, so the setting is the same on both sides of every comparison.
+torch.set_num_threads(1)
+
 
 def _llama(seed: int, layers: int = 2, hidden: int = 32, vocab: int = VOCAB, eos: int | None = None):
     torch.manual_seed(seed)
