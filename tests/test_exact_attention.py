@@ -79,8 +79,6 @@ def test_block_bitwise_equals_steps(arch, dtype):
 def test_attention_rows_bitwise_on_a_realistic_shape(dtype):
     """The attention function alone, on Qwen2-1.5B's attention shape (12 query heads, 2 key/value heads, head
     dim 128, 300 cached keys): each row of a block is bitwise the single-query call's output."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: F401  (the same signature)
-
     module = _attention_module()
     g = torch.Generator().manual_seed(0)
     past, k_max = 300, 8
