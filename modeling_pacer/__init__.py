@@ -60,7 +60,9 @@ __all__ = [
     "SpecDecPP",
     "StoppingPolicy",
     "enable_pacer",
+    "exact_linears",
     "generate",
+    "make_exact",
     "make_policy",
     "pacer_decoding",
 ]
