@@ -1,5 +1,5 @@
-"""The project's data folders that live outside the package (`heads/`, `hub_cards/`), wherever pacer
-is installed.
+"""Files pacer reads and writes outside the package: its data folders (`heads/`, `hub_cards/`), wherever
+pacer is installed, and the check that an output folder can be written.
 
 A wheel (`pip install .`) carries them as data files under `<prefix>/share/pacer/` (pyproject's
 `data-files`); an editable install (`pip install -e .`) reads them from its source tree, which pip
@@ -39,3 +39,15 @@ def data_folder(name: str) -> Path:
                 path = Path(dist.locate_file(file)).resolve()
                 return next(p for p in path.parents if p.name == name and p.parent.name == "pacer")
     return Path(sys.prefix) / "share" / "pacer" / name  # where a wheel would have put it; absent
+
+
+def ensure_writable_folder(path: Path, flag: str = "--out") -> None:
+    """Create `path` and write a probe file in it: a folder that cannot take a command's output should fail
+    before the models load, not after a long run."""
+    probe = path / ".pacer-write-probe"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe.write_text("")
+        probe.unlink()
+    except OSError as error:
+        raise ValueError(f"{flag} {path} is not a writable folder: {error}") from None

@@ -20,6 +20,7 @@ import torch
 
 from modeling_pacer.pairs import PairArguments, add_pair_arguments
 from modeling_pacer.prompts import DATASETS
+from modeling_pacer.resources import ensure_writable_folder
 
 QUICK_METHODS = ["target", "hf-assisted", "hf-constant-2", "fixed-2", "heuristic", "svip", "specdec++", "pacer"]
 COMMANDS = ("run", "replay", "merge")
@@ -82,17 +83,6 @@ def apply_presets(args) -> None:
         args.methods = args.methods or QUICK_METHODS
 
 
-def _writable_folder(path: str) -> None:
-    folder = Path(path)
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / ".pacer-write-test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as error:
-        raise ValueError(f"{path} is not a writable folder ({error.strerror or error}).") from None
-
-
 def validate(args) -> None:
     """Raise ValueError naming the first argument that cannot work, before anything expensive runs."""
     from modeling_pacer.prompts import prompt_file
@@ -110,11 +100,11 @@ def validate(args) -> None:
         for dataset in args.datasets:
             prompt_file(dataset)  # PromptsNotInstalledError names the command that installs it
         if args.record_traces:
-            _writable_folder(str(Path(args.record_traces).resolve().parent))
+            ensure_writable_folder(Path(args.record_traces).resolve().parent, "--record-traces")
     for path in getattr(args, "traces", None) or getattr(args, "results", None) or []:
         if not Path(path).is_file():
             raise ValueError(f"{path}: no such file.")
-    _writable_folder(args.out)
+    ensure_writable_folder(Path(args.out))
 
 
 def _load_head(path):

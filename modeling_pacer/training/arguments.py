@@ -181,15 +181,3 @@ def check_recipe_types(*instances) -> None:
                 raise ValueError(f"recipe key {f.name}: {value!r} is not {'true or false' if kind is bool else 'a number'}"
                                  + (" (YAML reads 1e-3 as a string: write 0.001 or 1.0e-3)" if isinstance(value, str) else "")
                                  + ".")
-
-
-def ensure_writable_folder(path: Path, flag: str = "--out") -> None:
-    """Create `path` and write a probe file in it: a folder that cannot take the run's output should fail now,
-    not after the traces are recorded and the head trained."""
-    probe = path / ".pacer-train-write-probe"
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe.write_text("")
-        probe.unlink()
-    except OSError as error:
-        raise ValueError(f"{flag} {path} is not a writable folder: {error}") from None

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from transformers import HfArgumentParser
 
+from ..resources import ensure_writable_folder
 from .arguments import (
     PacerCardArguments,
     PacerTrainScriptArguments,
@@ -28,7 +29,6 @@ from .arguments import (
     RunArguments,
     check_recipe_types,
     check_run,
-    ensure_writable_folder,
 )
 from .training_args import PacerTrainingArguments
 

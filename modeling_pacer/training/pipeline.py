@@ -35,6 +35,11 @@ def trace_path(trace_dir: Path, prompt_id: str) -> Path:
     return trace_dir / f"{prompt_id}.safetensors"
 
 
+def trace_settings(pair_name: str, max_new_tokens: int, max_draft: int) -> dict:
+    """What a trace file records about how it was made; a resumed run reads only files made the same way."""
+    return dict(pair=pair_name, max_new_tokens=max_new_tokens, max_draft=max_draft)
+
+
 def read_trace(path: Path, settings: dict):
     """The trace recorded in `path`, if it was recorded with `settings` (pair, max_new_tokens, max_draft).
 
@@ -64,7 +69,7 @@ def record_traces(pair, prompts: list[tuple[str, torch.Tensor]], max_new_tokens:
     from ..custom_generate.policies import FixedLength
     from ..replay import record_trace, save_traces
 
-    settings = dict(pair=pair.name, max_new_tokens=max_new_tokens, max_draft=max_draft)
+    settings = trace_settings(pair.name, max_new_tokens, max_draft)
     trace_dir.mkdir(parents=True, exist_ok=True)
     traces = []
     for prompt_id, input_ids in prompts:
@@ -207,7 +212,7 @@ def train(args: RunArguments, pair, prompts: list[tuple[str, torch.Tensor]], dat
         traces = record_traces(pair, mine, script.max_new_tokens, script.max_draft, out / "traces", script.resume, bar)
     if state.num_processes > 1:
         state.wait_for_everyone()  # every share is on disk; each process reads all of them
-        settings = dict(pair=pair.name, max_new_tokens=script.max_new_tokens, max_draft=script.max_draft)
+        settings = trace_settings(pair.name, script.max_new_tokens, script.max_draft)
         paths = [trace_path(out / "traces", pid) for pid, _ in prompts]
         traces = [read_trace(path, settings) for path in paths if path.exists()]
     timings["traces"] = time.perf_counter() - start
