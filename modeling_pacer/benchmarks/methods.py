@@ -1,5 +1,6 @@
 """The methods a benchmark compares: the target alone, transformers' assisted generation as shipped,
-and every stopping policy of our loop. Each method is one `generate` call on the same inputs."""
+every stopping policy of our loop, and (opt-in) plain llama.cpp on the target's GGUF. Each method is one
+`generate` call on the same inputs."""
 
 import copy
 import re
@@ -18,10 +19,21 @@ class Method:
     `assistant_config` overrides the draft's generation config for transformers' assisted methods."""
 
     name: str
-    family: str  # "target", "hf" or "pacer"
+    family: str  # "target", "hf", "pacer" or "llamacpp"
     policy: Callable[[], StoppingPolicy] | None = None
     assistant_config: dict = field(default_factory=dict)
     needs_head: bool = False
+
+    @property
+    def opt_in(self) -> bool:
+        """Chosen only when `--methods` names it: it needs an optional extra (llama.cpp)."""
+        return self.family == "llamacpp"
+
+    @property
+    def own_numerics(self) -> bool:
+        """Computes another function than the torch target (llama.cpp's quantized kernels): its output is
+        not expected to equal the target's, so it is never counted as a mismatch."""
+        return self.family == "llamacpp"
 
 
 def _hf(name: str, **assistant_config) -> Method:
@@ -47,25 +59,41 @@ def all_methods(gammas=(1, 2, 3, 4, 5, 6), head_config=None) -> dict[str, Method
         _ours("specdec++", lambda: SpecDecPP(max_draft_length=head_config.max_draft_length if head_config else 16),
               needs_head=True),
         _ours("pacer", lambda: Pacer.from_config(head_config), needs_head=True),
+        Method("llama.cpp", "llamacpp"),  # opt-in: plain greedy llama.cpp on the target's GGUF file
     ]
     return {m.name: m for m in methods}
 
 
 def select_methods(patterns: list[str] | None, available: dict[str, Method]) -> list[Method]:
-    """Methods whose names match any of the glob-like `patterns` (`fixed-*`), in registry order."""
+    """Methods whose names match any of the glob-like `patterns` (`fixed-*`), in registry order.
+
+    No patterns: every method but the opt-in ones (`llama.cpp`, which needs an optional extra). A chosen
+    `llama.cpp` whose library is missing raises `LlamaCppNotInstalledError` (an ImportError and a
+    ValueError, naming the install command) here, so pacer-bench reports it before any model loads.
+    """
     if not patterns:
-        return list(available.values())
+        return [m for m in available.values() if not m.opt_in]
     regexes = [re.compile("^" + re.escape(p).replace(r"\*", ".*") + "$") for p in patterns]
     chosen = [m for name, m in available.items() if any(r.match(name) for r in regexes)]
     unknown = [p for p, r in zip(patterns, regexes) if not any(r.match(n) for n in available)]
     if unknown:
         raise ValueError(f"Unknown methods {unknown}; available: {sorted(available)}")
+    if any(m.family == "llamacpp" for m in chosen):
+        from .llamacpp import require_llama_cpp
+
+        require_llama_cpp()
     return chosen
 
 
-def run_method(method: Method, target, draft, head, input_ids: torch.Tensor, max_new_tokens: int):
-    """Greedy generation with `method`. Returns `(sequences (1, L + new), PacerStats or None)`."""
+def run_method(method: Method, target, draft, head, input_ids: torch.Tensor, max_new_tokens: int, llamacpp=None):
+    """Greedy generation with `method`. Returns `(sequences (1, L + new), PacerStats or None)`.
+
+    `llamacpp`: the [`LlamaCppRunner`] that the `llama.cpp` method runs (built once per benchmark)."""
     settings = dict(max_new_tokens=max_new_tokens, do_sample=False)
+    if method.family == "llamacpp":
+        if llamacpp is None:
+            raise ValueError("the llama.cpp method needs a LlamaCppRunner (run_live builds one when it is selected)")
+        return llamacpp.generate(input_ids, max_new_tokens), None
     if method.family == "target":
         return GenerationMixin.generate(target, input_ids, **settings), None
     if method.family == "hf":

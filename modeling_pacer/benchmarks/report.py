@@ -35,8 +35,13 @@ def summarize(records: list[dict], oracle_rows: list[dict]) -> list[dict]:
     """One row per (dataset, method), plus dataset "all". Ratios of sums over prompts.
 
     `speedup_ci`: the 95% bootstrap interval over prompts (None below two prompts).
+    `tokens_per_s`: all new tokens over all seconds (the row's prompts together, not a mean of per-prompt rates).
     Where the time goes: `target_share` and `draft_share` (inside the models' forwards), `head_share`
     (PACER's and SpecDec++'s heads), `other_share` (the rest: the decoding loop's own work).
+    `own_numerics`: the method computes another function than the torch target (llama.cpp; records with
+    `matches_target` None): never a mismatch, and no forward counts, shares or oracle fraction (None);
+    `agree_prefix`: the mean number of new tokens equal to the target's before the first difference
+    (None for results written before it was recorded).
     """
     by_key = defaultdict(list)
     for r in records:
@@ -59,11 +64,13 @@ def summarize(records: list[dict], oracle_rows: list[dict]) -> list[dict]:
         seconds = sum(r["seconds"] for r in rs)
         tokens = sum(r["new_tokens"] for r in rs)
         speedup = target_seconds / seconds
-        mismatches = sum(not r["matches_target"] for r in rs)
+        mismatches = sum(r["matches_target"] is False for r in rs)
+        own_numerics = all(r["matches_target"] is None for r in rs)
         head_share = sum(r["head_seconds"] for r in rs) / seconds
         target_share, draft_share = _share(rs, "target_seconds", seconds), _share(rs, "draft_seconds", seconds)
         other_share = None if None in (target_share, draft_share) else 1.0 - target_share - draft_share - head_share
-        rows.append(dict(
+        prefixes = [r.get("agree_prefix") for r in rs]
+        row = dict(
             dataset=dataset, method=method, prompts=len(rs), speedup=speedup, speedup_ci=interval,
             tokens_per_s=tokens / seconds,
             tau=tokens / max(1, sum(r["target_forwards"] for r in rs)),
@@ -71,8 +78,13 @@ def summarize(records: list[dict], oracle_rows: list[dict]) -> list[dict]:
             draft_forwards_per_token=sum(r["draft_forwards"] for r in rs) / tokens,
             target_share=target_share, draft_share=draft_share, head_share=head_share, other_share=other_share,
             of_oracle=speedup / oracle_speedup[dataset] if dataset in oracle_speedup else None,
-            mismatches=mismatches,
-        ))
+            mismatches=mismatches, own_numerics=own_numerics,
+            agree_prefix=None if None in prefixes else sum(prefixes) / len(prefixes),
+        )
+        if own_numerics:  # not the torch models: nothing of theirs was counted or timed
+            row.update(tau=None, target_forwards_per_token=None, draft_forwards_per_token=None, target_share=None,
+                       draft_share=None, head_share=None, other_share=None, of_oracle=None)
+        rows.append(row)
     for dataset, speedup in oracle_speedup.items():
         rs = oracle_by_dataset[dataset]
         tokens = sum(r["new_tokens"] for r in rs)
@@ -110,17 +122,20 @@ def markdown_table(summary: list[dict]) -> str:
     timed = any(r.get("target_share") is not None for r in summary)
     time_header = "time in target / draft / head / other" if timed else "head time"
     lines = [
-        "| dataset | method | speedup (95% CI over prompts) | tokens/s | τ (tokens / target fwd) | target fwd / token | draft fwd / token | "
-        f"{time_header} | of oracle | lossless |",
+        "| dataset | method | speedup (95% CI over prompts) | tokens/s (all tokens / all s) | τ (tokens / target fwd) | "
+        f"target fwd / token | draft fwd / token | {time_header} | of oracle | lossless |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in summary:
-        lossless = "yes" if r["mismatches"] == 0 else f"**MISMATCH {r['mismatches']}/{r['prompts']}**"
-        time = _time_shares(r) if timed else f"{r['head_share']:.1%}"
+        if r.get("own_numerics"):
+            lossless = "own numerics (n/a)"
+        else:
+            lossless = "yes" if r["mismatches"] == 0 else f"**MISMATCH {r['mismatches']}/{r['prompts']}**"
+        time = _time_shares(r) if timed else _fmt(r["head_share"], ".1%")
         lines.append(
             f"| {r['dataset']} | {r['method']} | {format_speedup(r)} | {_fmt(r['tokens_per_s'], '.2f')} | "
-            f"{r['tau']:.2f} | {r['target_forwards_per_token']:.2f} | {r['draft_forwards_per_token']:.2f} | "
-            f"{time} | {_fmt(r['of_oracle'], '.0%')} | {lossless} |"
+            f"{_fmt(r['tau'], '.2f')} | {_fmt(r['target_forwards_per_token'], '.2f')} | "
+            f"{_fmt(r['draft_forwards_per_token'], '.2f')} | {time} | {_fmt(r['of_oracle'], '.0%')} | {lossless} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -1,5 +1,6 @@
 """The live benchmark: methods interleaved per prompt, warm-up excluded, every output checked against
-the target alone, forwards counted and timed with hooks so that transformers' own methods are measured too."""
+the target alone (except llama.cpp's, which computes with its own numerics), forwards counted and timed with
+hooks so that transformers' own methods are measured too."""
 
 import time
 from dataclasses import asdict, dataclass, field
@@ -21,7 +22,9 @@ class Record:
     new_tokens: int
     target_forwards: int
     draft_forwards: int
-    matches_target: bool
+    # True/False: the output equals the target's or not; None: not comparable, the method computes with its
+    # own numerics (llama.cpp's quantized kernels), so a difference is no loss of exactness
+    matches_target: bool | None
     head_seconds: float = 0.0
     # wall time inside the target's and the draft's forward calls; the rest of `seconds` minus
     # `head_seconds` is the decoding loop's own overhead (sampling, cache crops, Python)
@@ -29,6 +32,8 @@ class Record:
     draft_seconds: float | None = None
     draft_lengths: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
+    # how many new tokens equal the target's before the first difference (results before it: absent)
+    agree_prefix: int | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -61,36 +66,49 @@ class ForwardMeter:
             handle.remove()
 
 
-def _timed(method: Method, target, draft, head, input_ids, max_new_tokens, meters):
+def _timed(method: Method, target, draft, head, input_ids, max_new_tokens, meters, llamacpp=None):
     """Run one method once: `(sequences, stats, seconds, [(forwards, forward seconds) per meter])`."""
     before = [(m.count, m.seconds) for m in meters]
     start = time.perf_counter()
-    sequences, stats = run_method(method, target, draft, head, input_ids, max_new_tokens)
+    sequences, stats = run_method(method, target, draft, head, input_ids, max_new_tokens, llamacpp)
     seconds = time.perf_counter() - start
     used = [(m.count - n, m.seconds - t) for m, (n, t) in zip(meters, before)]
     return sequences, stats, seconds, used
 
 
-def run_live(pair, head, methods: list[Method], prompts, max_new_tokens: int, progress=None, oracle_max_draft=8):
+def agree_prefix(a: torch.Tensor, b: torch.Tensor, start: int) -> int:
+    """How many tokens of `a` and `b` (1, *) from position `start` on are equal before the first difference."""
+    a, b = a[0, start:].tolist(), b[0, start:].tolist()
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def run_live(pair, head, methods: list[Method], prompts, max_new_tokens: int, progress=None, oracle_max_draft=8,
+             llamacpp=None):
     """Run every method on every prompt. `prompts`: list of `(dataset, prompt_id, input_ids (1, L))`.
 
+    `llamacpp`: the [`LlamaCppRunner`] for the `llama.cpp` method; built here from `pair.target_source`
+    (its GGUF file, loaded once, outside the timed region) when that method is selected and none is given.
     Returns `(records, traces)`: a [`Record`] per method and prompt, and the oracle's cheap trace per
     prompt (recorded from the target's own output, outside the timed region).
     """
     target, draft = pair.target, pair.draft
     if not any(m.name == "target" for m in methods):
         raise ValueError("The benchmark needs the 'target' method: every speedup is relative to it.")
+    if llamacpp is None and any(m.family == "llamacpp" for m in methods):
+        from .llamacpp import LlamaCppRunner
+
+        llamacpp = LlamaCppRunner.for_pair(pair, prompts, max_new_tokens)
     meters = [ForwardMeter(target), ForwardMeter(draft)]
     try:
         # warm-up (excluded): every method once, on the first prompt, a few tokens
         for method in methods:
-            _timed(method, target, draft, head, prompts[0][2], min(8, max_new_tokens), meters)
+            _timed(method, target, draft, head, prompts[0][2], min(8, max_new_tokens), meters, llamacpp)
         records, traces = [], []
         for j, (dataset, prompt_id, input_ids) in enumerate(prompts):
             order = methods[j % len(methods):] + methods[: j % len(methods)]  # rotate: no method always first
             results = {}
             for method in order:
-                results[method.name] = _timed(method, target, draft, head, input_ids, max_new_tokens, meters)
+                results[method.name] = _timed(method, target, draft, head, input_ids, max_new_tokens, meters, llamacpp)
                 if progress is not None:
                     progress.update(1)
             reference = results["target"][0]
@@ -100,11 +118,12 @@ def run_live(pair, head, methods: list[Method], prompts, max_new_tokens: int, pr
                     dataset, prompt_id, method.name, seconds,
                     new_tokens=sequences.shape[1] - input_ids.shape[1],
                     target_forwards=target_fw, draft_forwards=draft_fw,
-                    matches_target=sequences.tolist() == reference.tolist(),
+                    matches_target=None if method.own_numerics else sequences.tolist() == reference.tolist(),
                     head_seconds=stats.head_time if stats else 0.0,
                     draft_lengths=[s.drafted for s in stats.steps] if stats else [],
                     accepted=[s.accepted for s in stats.steps] if stats else [],
                     target_seconds=target_s, draft_seconds=draft_s,
+                    agree_prefix=agree_prefix(sequences, reference, input_ids.shape[1]),
                 ))
             output = reference[0, input_ids.shape[1]:].cpu()
             traces.append(record_match(draft, input_ids, output, oracle_max_draft, dataset, prompt_id))

@@ -1,0 +1,137 @@
+"""The `llama.cpp` method of `pacer-bench`: plain greedy decoding with llama.cpp (llama-cpp-python) on the
+target's own GGUF file, what a CPU user would run instead of transformers, measured beside the others.
+
+Optional: `pip install -e ".[llamacpp]"`. PyPI has no CPU wheel of llama-cpp-python, so pip builds the sdist
+(cmake and a C++17 compiler needed; 0.3.36: about 7 minutes of wall time on this project's 2-core machine). The
+default build is native (GGML_NATIVE, `-march=native`: AVX2/AVX512/VNNI where the CPU has them), i.e. built
+for the machine that runs the benchmark; no CMAKE_ARGS are needed.
+
+Its output is not the torch target's function (llama.cpp computes with the quantized Q4_K_M blocks, torch
+with the weights dequantized to fp32/bf16), so it is reported with its own numerics, never as a mismatch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..pairs.gguf import ensure_gguf, part_paths
+from ..pairs.registry import DEFAULT_PAIR, ModelSource, WeightsNotInstalledError, gguf_path
+
+INSTALL = 'pip install -e ".[llamacpp]"'
+
+
+class LlamaCppNotInstalledError(ImportError, ValueError):
+    """llama-cpp-python is missing. Also a ValueError, so pacer-bench's argument check turns it into a usage
+    error (exit 2) before any model loads."""
+
+
+def require_llama_cpp():
+    """The `llama_cpp` module, or LlamaCppNotInstalledError naming the install command."""
+    try:
+        import llama_cpp
+    except ImportError as error:  # also a library that is installed but fails to load
+        raise LlamaCppNotInstalledError(
+            f"the llama.cpp method needs llama-cpp-python ({error}); install it with:\n    {INSTALL}\n"
+            "(pip builds it from source: several minutes)"
+        ) from error
+    return llama_cpp
+
+
+def _not_gguf(source: ModelSource) -> ValueError:
+    return ValueError(
+        f"llama.cpp needs the target as a GGUF file; the target {source.describe()} is not one (a registered pair, "
+        "or --target with a local .gguf file or a folder holding exactly one)."
+    )
+
+
+def target_gguf(source: ModelSource, pacer_cache=None, *, pair_name: str = DEFAULT_PAIR) -> Path:
+    """The GGUF file the target was loaded from: a registered pair's assembled file in the pacer cache
+    (assembled from the installed parts if it is not there), or a local `.gguf` file."""
+    if source.parts is not None:
+        return ensure_gguf(source.parts, pacer_cache, pair_name=pair_name)
+    if source.gguf_file is not None:
+        path = Path(source.path).expanduser() / source.gguf_file
+        if path.is_file():
+            return path
+    raise _not_gguf(source)
+
+
+def check_target(source: ModelSource, pacer_cache=None, *, pair_name: str = DEFAULT_PAIR) -> None:
+    """`target_gguf`'s checks without its work (nothing is assembled): a ValueError naming the problem."""
+    if source.parts is not None:
+        if gguf_path(source.parts, pacer_cache).is_file():
+            return
+        try:
+            part_paths(source.parts, pair_name=pair_name)
+        except WeightsNotInstalledError as error:
+            raise ValueError(str(error)) from None
+        return
+    if source.gguf_file is None or not (Path(source.path).expanduser() / source.gguf_file).is_file():
+        raise _not_gguf(source)
+
+
+def check_target_args(args) -> None:
+    """`check_target` for the target named by pacer-bench's `--pair` / `--target` / `--draft` arguments."""
+    from ..pairs.loading import resolve_pair
+
+    spec = resolve_pair(args.target or args.pair or DEFAULT_PAIR, args.draft)
+    check_target(spec.target, pair_name=spec.name)
+
+
+def _eos_ids(eos_token_id) -> set[int]:
+    if eos_token_id is None:
+        return set()
+    if isinstance(eos_token_id, torch.Tensor):
+        return set(eos_token_id.flatten().tolist())
+    return set(eos_token_id) if isinstance(eos_token_id, (list, tuple, set)) else {int(eos_token_id)}
+
+
+class LlamaCppRunner:
+    """One `llama_cpp.Llama` on a GGUF file, loaded once (outside every timed region), decoding greedily.
+
+    `generate` starts from the same token ids as the other methods (no text, no added BOS) and stops as
+    transformers does: after `max_new_tokens`, or after emitting a token of `eos_token_id` (included).
+    Every call starts from an empty KV cache: no prompt prefix is reused across calls (the torch target
+    prefills every prompt afresh too; llama-cpp-python would otherwise reuse the longest common prefix of
+    the previous call, e.g. the warm-up's prompt).
+    """
+
+    def __init__(self, model_path, n_ctx: int, eos_token_id=None, n_threads: int | None = None):
+        llama_cpp = require_llama_cpp()
+        self.model_path = Path(model_path)
+        self.n_threads = n_threads or torch.get_num_threads()
+        self.eos_token_ids = _eos_ids(eos_token_id)
+        self.llm = llama_cpp.Llama(
+            model_path=str(self.model_path), n_ctx=n_ctx, n_threads=self.n_threads, n_threads_batch=self.n_threads,
+            logits_all=False, verbose=False,
+        )
+
+    @classmethod
+    def for_pair(cls, pair, prompts, max_new_tokens: int, pacer_cache=None) -> LlamaCppRunner:
+        """A runner on the GGUF of `pair.target_source`, with a context long enough for the longest prompt
+        plus `max_new_tokens`, and the torch target's EOS tokens (its generation config's)."""
+        path = target_gguf(pair.target_source, pacer_cache, pair_name=pair.name)
+        n_ctx = max(ids.shape[-1] for *_, ids in prompts) + max_new_tokens + 1
+        return cls(path, n_ctx, eos_token_id=pair.target.generation_config.eos_token_id)
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        """Greedy continuation of `input_ids` (1, L): `(1, L + new)` ids, new <= max_new_tokens."""
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+            raise ValueError(f"llama.cpp runs batch size 1: input_ids of shape (1, L), got {tuple(input_ids.shape)}")
+        prompt = input_ids[0].tolist()
+        if len(prompt) + max_new_tokens > self.llm.n_ctx():
+            raise ValueError(f"{len(prompt)} prompt + {max_new_tokens} new tokens exceed llama.cpp's context "
+                             f"of {self.llm.n_ctx()}")
+        self.llm.reset()  # n_tokens = 0: `generate` finds no prefix to reuse and clears the KV cache
+        new = []
+        if max_new_tokens > 0:
+            # temp 0 is llama.cpp's greedy sampler (argmax); every other sampler setting is neutral
+            for token in self.llm.generate(prompt, top_k=1, top_p=1.0, min_p=0.0, typical_p=1.0, temp=0.0,
+                                           repeat_penalty=1.0, reset=True):
+                new.append(int(token))
+                if len(new) >= max_new_tokens or token in self.eos_token_ids:
+                    break
+        return torch.cat([input_ids, torch.tensor([new], dtype=input_ids.dtype, device=input_ids.device)], dim=1)
