@@ -295,7 +295,7 @@ def test_general_path_loads_a_local_folder(tiny_folder):
 
 
 def test_quantize_draft_int8_runs_with_a_cache(tiny_folder):
-    pair = load_pair(str(tiny_folder), draft=str(tiny_folder), quantize_draft=True)
+    pair = load_pair(str(tiny_folder), draft=str(tiny_folder), quantize_draft=True, dtype=torch.float32)
     # the quantized class is also named `Linear` (its repr says DynamicQuantizedLinear): compare classes
     from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
 
@@ -311,12 +311,45 @@ def test_quantize_draft_int8_runs_with_a_cache(tiny_folder):
     # int8 weights: close to, not equal to, fp32
     assert torch.allclose(q, ref, atol=0.05), (q - ref).abs().max()
     with pytest.raises(ValueError, match="fp32"):
-        load_pair(str(tiny_folder), draft=str(tiny_folder), quantize_draft=True, dtype=torch.bfloat16)
+        load_pair(str(tiny_folder), draft=str(tiny_folder), quantize_draft=True, draft_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("fast_bf16", [True, False])
+def test_dtype_auto_is_bf16_where_the_cpu_has_it_and_the_target_is_exact(tiny_folder, monkeypatch, fast_bf16):
+    from modeling_pacer.pairs import loading
+
+    monkeypatch.setattr(loading, "cpu_has_fast_bf16", lambda: fast_bf16)
+    expected = torch.bfloat16 if fast_bf16 else torch.float32
+    pair = load_pair(str(tiny_folder), draft=str(tiny_folder))
+    assert pair.dtype == expected and pair.exact
+    assert pair.target.dtype == expected and pair.draft.dtype == expected
+    assert pair.target.config._attn_implementation == "pacer_exact"
+    assert all(getattr(m, "_pacer_min_rows", 0) > 0 for m in pair.target.modules() if type(m) is torch.nn.Linear)
+    assert pair.draft.config._attn_implementation != "pacer_exact"  # only the target's numerics decide the output
+    assert str(expected).removeprefix("torch.") in pair.describe()
+    # the int8 draft needs float32 whatever the target runs in
+    quantized = load_pair(str(tiny_folder), draft=str(tiny_folder), quantize_draft=True)
+    assert quantized.dtype == expected and next(quantized.draft.parameters(), torch.zeros(())).dtype == torch.float32
+    plain = load_pair(str(tiny_folder), draft=str(tiny_folder), dtype="float32", exact=False)
+    assert plain.dtype == torch.float32 and not plain.exact
+    assert plain.target.config._attn_implementation != "pacer_exact"
+
+
+def test_dtype_names_are_checked():
+    from modeling_pacer.pairs.loading import resolve_dtype
+
+    assert resolve_dtype("bf16") == torch.bfloat16 and resolve_dtype(torch.float16) == torch.float16
+    with pytest.raises(ValueError, match="dtype must be"):
+        resolve_dtype("float64x")
+    with pytest.raises(ValueError, match="--dtype"):
+        pairs.PairArguments(dtype="int4")
 
 
 def test_load_in_8bit_target_without_bitsandbytes_says_what_to_install(tiny_folder, monkeypatch):
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # import now fails like an absent package
     with pytest.raises(ImportError, match="pip install"):
+        load_pair(str(tiny_folder), draft=str(tiny_folder), load_in_8bit_target=True, exact=False)
+    with pytest.raises(ValueError, match="exact=False"):  # its linear layers are not nn.Linear: not made exact
         load_pair(str(tiny_folder), draft=str(tiny_folder), load_in_8bit_target=True)
 
 
@@ -337,7 +370,7 @@ def test_registered_gguf_parts_assemble_convert_and_cache(tmp_path, monkeypatch)
     assert "quantization_config" not in config  # the next load must not go back through the GGUF loader
     assert json.loads((folder / pairs.registry._CACHE_MARKER).read_text())["source_sha256"] == parts.sha256
 
-    pair = load_pair(spec.name, pacer_cache=cache)
+    pair = load_pair(spec.name, pacer_cache=cache, dtype=torch.float32)
     assert getattr(pair.target, "hf_quantizer", None) is None
     ids = torch.tensor([[3, 100, 200, 7]])
     with torch.no_grad():

@@ -31,6 +31,12 @@ class LoadedPair:
     target_source: ModelSource
     draft_source: ModelSource
     load_seconds: dict[str, float] = field(default_factory=dict)
+    dtype: torch.dtype = torch.float32  # the target's
+    exact: bool = False  # the target's verification is bitwise row-invariant (`make_exact`)
+
+    def describe(self) -> str:
+        """One line for reports: the pair, the target's dtype and whether its verification is exact."""
+        return f"{self.name}, target {str(self.dtype).removeprefix('torch.')}{' exact' if self.exact else ''}"
 
 
 def resolve_pair(name_or_target: str | os.PathLike | PairSpec, draft=None) -> PairSpec:
@@ -86,6 +92,35 @@ def quantize_dynamic_int8(model: torch.nn.Module) -> torch.nn.Module:
         return quantize_dynamic(model, {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8, inplace=True)
 
 
+def cpu_has_fast_bf16() -> bool:
+    """True when this CPU computes bf16 matrix products natively (AVX512-BF16 or AMX), where a bf16
+    model runs faster than float32; without them torch emulates bf16 and float32 is the better choice."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(dtype: torch.dtype | str, device_map=None) -> torch.dtype:
+    """A torch dtype from a dtype or its name; `"auto"` picks bf16 where it is fast (a CPU with native bf16,
+    or a GPU that supports it) and float32 elsewhere."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device_map not in (None, "cpu") and torch.cuda.is_available():
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be a torch dtype, 'auto' or one of {sorted(DTYPES)}, got {dtype!r}.")
+    return DTYPES[dtype]
+
+
 def load_model(
     source: ModelSource | str, *, dtype: torch.dtype = torch.float32, device_map=None, pacer_cache=None,
     pair_name: str = DEFAULT_PAIR, **kwargs,
@@ -110,10 +145,11 @@ def load_pair(
     name_or_target: str | os.PathLike | PairSpec = DEFAULT_PAIR,
     draft: str | os.PathLike | ModelSource | None = None,
     *,
-    dtype: torch.dtype = torch.float32,
-    draft_dtype: torch.dtype | None = None,
+    dtype: torch.dtype | str = "auto",
+    draft_dtype: torch.dtype | str | None = None,
     device_map=None,
     quantize_draft: bool = False,
+    exact: bool = True,
     load_in_8bit_target: bool = False,
     pacer_cache: str | os.PathLike | None = None,
     **kwargs,
@@ -124,9 +160,14 @@ def load_pair(
         name_or_target: a registered pair name (default: the offline Qwen2.5-Coder 1.5B/0.5B pair), a
             PairSpec, or the target as a Hub repo id, local folder or `.gguf` file (then `draft` is required).
         draft: the draft as a repo id / folder / `.gguf` / ModelSource; overrides a registered pair's draft.
-        dtype: target dtype (and the draft's unless `draft_dtype` is given).
+        dtype: target dtype (and the draft's unless `draft_dtype` is given, or `quantize_draft`, which needs
+            float32): a torch dtype, its name, or `"auto"` (default): bf16 on a CPU with native bf16 (or a
+            bf16-capable GPU), float32 elsewhere. `LoadedPair.dtype` says which was used.
         device_map: passed to both `from_pretrained` calls (e.g. `"auto"`).
         quantize_draft: dynamic int8 quantization of the draft's Linear layers (CPU, fp32 draft only).
+        exact: make the target's verification forward bitwise equal, row for row, to single-token steps
+            ([`modeling_pacer.make_exact`]), so greedy speculative decoding reproduces the target's own
+            output exactly; the target alone runs the same function. Not with `load_in_8bit_target`.
         load_in_8bit_target: load the target with bitsandbytes 8-bit weights (bitsandbytes runs on CPU).
         pacer_cache: pacer cache (default `$PACER_CACHE` or `~/.cache/pacer`), used by registry GGUF pairs.
             (Named so that `cache_dir`, the Hub download cache, can still reach `from_pretrained`.)
@@ -137,9 +178,15 @@ def load_pair(
         WeightsNotInstalledError: a registered pair's weights are missing; the message names the command.
     """
     spec = resolve_pair(name_or_target, draft)
-    draft_dtype = draft_dtype or dtype
+    dtype = resolve_dtype(dtype, device_map)
+    if draft_dtype is None:
+        draft_dtype = torch.float32 if quantize_draft else dtype
+    draft_dtype = resolve_dtype(draft_dtype, device_map)
     if quantize_draft and draft_dtype != torch.float32:
         raise ValueError("quantize_draft needs an fp32 draft (dynamic int8 quantizes fp32 Linear weights)")
+    if exact and load_in_8bit_target:
+        raise ValueError("exact=True makes nn.Linear layers row-invariant; an 8-bit bitsandbytes target has none: "
+                         "pass exact=False (and check its outputs: its kernels' row invariance is not tested)")
     target_kwargs = dict(kwargs)
     if load_in_8bit_target:
         target_kwargs["quantization_config"] = _bnb_8bit_config()
@@ -149,6 +196,10 @@ def load_pair(
     t0 = time.perf_counter()
     # models first: on a registry pair this also assembles + converts on first use, which the tokenizer reuses
     target = load_model(spec.target, dtype=dtype, **common, **target_kwargs)
+    if exact:
+        from ..exact_attention import make_exact
+
+        make_exact(target)
     seconds["target"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     draft_model = load_model(spec.draft, dtype=draft_dtype, **common, **kwargs)
@@ -160,12 +211,13 @@ def load_pair(
     t0 = time.perf_counter()
     tokenizer = load_tokenizer(spec.target, pacer_cache, pair_name=spec.name)
     seconds["tokenizer"] = time.perf_counter() - t0
-    return LoadedPair(target, draft_model, tokenizer, spec.name, spec.target, spec.draft, seconds)
+    return LoadedPair(target, draft_model, tokenizer, spec.name, spec.target, spec.draft, seconds, dtype, exact)
 
 
 @dataclass
 class PairArguments:
-    """The models, chosen as in every pacer command (`--pair`, `--target`, `--draft`, `--quantize-draft`)."""
+    """The models, chosen as in every pacer command (`--pair`, `--target`, `--draft`, `--quantize-draft`,
+    `--dtype`, `--no-exact`)."""
 
     pair: str | None = field(
         default=None, metadata={"help": f"a registered pair (default: {DEFAULT_PAIR}, offline from PyPI)"},
@@ -180,7 +232,18 @@ class PairArguments:
                           "a head is trained on (and recorded with) the draft it will serve"},
     )
 
+    dtype: str = field(
+        default="auto",
+        metadata={"help": "the target's dtype: auto (bf16 on a CPU with native bf16, else float32), bfloat16 or float32"},
+    )
+    exact: bool = field(
+        default=True,
+        metadata={"help": "bitwise-exact verification (make_exact on the target); --no-exact turns it off"},
+    )
+
     def __post_init__(self):
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be auto or one of {sorted(DTYPES)}, got {self.dtype!r}.")
         # the names alone (registered pair, or a target with its draft): nothing is read or loaded yet
         if self.target and not self.draft and self.target not in PAIRS:
             raise ValueError(f"--target {self.target} needs --draft (the draft model that proposes its tokens).")
@@ -196,10 +259,13 @@ class PairArguments:
 
 
 def add_pair_arguments(parser: argparse.ArgumentParser) -> None:
-    """`--pair`, `--target`, `--draft`, `--quantize-draft` on an argparse parser, from [`PairArguments`]."""
+    """`--pair`, `--target`, `--draft`, `--quantize-draft`, `--dtype`, `--no-exact` on an argparse parser,
+    from [`PairArguments`]."""
     for f in dataclasses.fields(PairArguments):
         flag = "--" + f.name.replace("_", "-")
-        if f.type in (bool, "bool"):
+        if f.type in (bool, "bool") and f.default is True:
+            parser.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_false", help=f.metadata["help"])
+        elif f.type in (bool, "bool"):
             parser.add_argument(flag, action="store_true", help=f.metadata["help"])
         else:
             parser.add_argument(flag, default=f.default, help=f.metadata["help"])
@@ -207,7 +273,8 @@ def add_pair_arguments(parser: argparse.ArgumentParser) -> None:
 
 def pair_from_args(args, **kwargs) -> LoadedPair:
     """`load_pair` from the arguments that `add_pair_arguments` defines."""
-    return load_pair(args.target or args.pair or DEFAULT_PAIR, args.draft, quantize_draft=args.quantize_draft, **kwargs)
+    return load_pair(args.target or args.pair or DEFAULT_PAIR, args.draft, quantize_draft=args.quantize_draft,
+                     dtype=args.dtype, exact=args.exact, **kwargs)
 
 
 def _bnb_8bit_config():
