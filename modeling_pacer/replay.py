@@ -9,81 +9,15 @@ replayed exactly; time comes from a cost model measured on the same machine.
 """
 
 import json
-import statistics
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from transformers import DynamicCache
 
+from .costs import CostModel
 from .custom_generate.generate import DecodeStep, cache_kwargs, crop_cache, entropy, model_forward
 from .custom_generate.policies import DraftView, StoppingPolicy
-
-
-@dataclass
-class CostModel:
-    """Measured seconds: a target forward of n input tokens after a cached prefix, one draft forward of
-    one token, one head call over a draft. Verification of k drafts feeds k + 1 tokens."""
-
-    target_forward: dict[int, float]
-    draft_forward: float
-    head_call: float = 0.0
-
-    def target(self, num_tokens: int) -> float:
-        known = max(self.target_forward)
-        if num_tokens <= known:
-            return self.target_forward[num_tokens]
-        return self.target_forward[known] * num_tokens / known  # beyond the measured range: linear
-
-    def step(self, drafted: int, head_calls: int = 0) -> float:
-        return drafted * self.draft_forward + self.target(drafted + 1) + head_calls * self.head_call
-
-    def to_dict(self) -> dict:
-        return {"target_forward": self.target_forward, "draft_forward": self.draft_forward, "head_call": self.head_call}
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "CostModel":
-        """The inverse of `to_dict`, also after a JSON round trip (which turns the token counts into strings)."""
-        return cls({int(k): v for k, v in data["target_forward"].items()}, data["draft_forward"], data.get("head_call", 0.0))
-
-
-def _median_seconds(fn, repeats: int) -> float:
-    fn()  # warm-up, excluded
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-@torch.no_grad()
-def measure_costs(target, draft, head, input_ids: torch.Tensor, max_tokens: int, repeats: int = 5) -> CostModel:
-    """Time forwards after a cached `input_ids` prefix `(1, L)`: the target for 1..max_tokens input
-    tokens, the draft for one, the head over a `max_tokens - 1` draft."""
-    def after_prefix(model):
-        cache = DynamicCache(config=model.config)
-        model_forward(model, input_ids, cache, 1)
-        return cache
-
-    target_cache, draft_cache = after_prefix(target), after_prefix(draft)
-    prefix = input_ids.shape[1]
-
-    def target_step(n):
-        model_forward(target, input_ids[:, -1:].repeat(1, n), target_cache, n)
-        crop_cache(target_cache, prefix)
-
-    def draft_step():
-        model_forward(draft, input_ids[:, -1:], draft_cache, 1)
-        crop_cache(draft_cache, prefix)
-
-    costs = {n: _median_seconds(lambda n=n: target_step(n), repeats) for n in range(1, max_tokens + 1)}
-    head_call = 0.0
-    if head is not None:
-        hidden = torch.randn(1, max(1, max_tokens - 1), head.config.draft_hidden_size, dtype=head.dtype)
-        head_call = _median_seconds(lambda: head.acceptance_probabilities(hidden), repeats)
-    return CostModel(costs, _median_seconds(draft_step, repeats), head_call)
 
 
 @dataclass

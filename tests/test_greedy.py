@@ -4,7 +4,8 @@
 import pytest
 import torch
 
-from modeling_pacer import SVIP, Confidence, FixedLength, Heuristic, Pacer, SpecDecPP
+from modeling_pacer import SVIP, Confidence, ExpectedThroughput, FixedLength, Heuristic, Pacer, SpecDecPP
+from modeling_pacer.costs import CostModel
 
 from conftest import VOCAB, make_head, make_pair
 
@@ -29,6 +30,10 @@ POLICIES = {
     "pacer-b5-lenient": lambda: Pacer(block_size=5, threshold=0.1, growth=1.0, max_draft_length=15),
     "pacer-strict": lambda: Pacer(block_size=2, threshold=0.95, growth=1.5, max_draft_length=16),
     "pacer-first-block": lambda: Pacer(block_size=3, threshold=0.6, growth=1.2, max_draft_length=8, first_block_size=2),
+    # a flat verification curve: long drafts pay, so the rule really drafts
+    "throughput-draft": lambda: ExpectedThroughput(CostModel({n: 1.0 for n in range(1, 20)}, 0.05), max_draft_length=8),
+    "throughput-head": lambda: ExpectedThroughput(CostModel({n: 1.0 + 0.05 * n for n in range(1, 20)}, 0.05, 0.01),
+                                                  estimate="head", block_size=2, max_draft_length=12),
 }
 
 PROMPT_LENGTHS = [1, 6, 19]

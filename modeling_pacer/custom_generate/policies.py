@@ -253,8 +253,74 @@ class Pacer(StoppingPolicy):
         return None
 
 
+class ExpectedThroughput(StoppingPolicy):
+    """Stop drafting when no longer draft is expected to emit more tokens per second than stopping now,
+    with the verification cost curve measured on this machine (`costs`: a `modeling_pacer.costs.CostModel`,
+    e.g. from `host_costs(target, draft, head)`).
+
+    After k drafted tokens, let c_j estimate P(the first j draft tokens are all accepted). A step that
+    stops at k emits 1 + sum_{j<=k} c_j tokens on average (the target always adds one) and costs
+    k * draft + verify(k + 1) (+ head calls), so its rate is R(k) = (1 + sum c_j) / cost(k). Lengths
+    k' > k are judged with c_j extrapolated as c_k * r^(j - k), r = c_k / c_{k-1} (the last token's
+    conditional estimate), over every reachable k' up to `max_draft_length`, so a rule can look past a
+    stair of the cost curve. Stop when max R(k') <= R(k): maximising each step's rate is maximising the
+    long-run tokens per second (renewal-reward), and it reduces to "the expected extra tokens are worth
+    less than their extra time at the current rate".
+
+    `estimate="draft"`: c_j = product of the draft's own token probabilities (training-free);
+    `estimate="head"`: c_j = the head's prediction (a PACER head is trained on cumulative labels, so its
+    j-th output already is P(first j accepted)), read every `block_size` tokens as in the paper.
+    """
+
+    name = "throughput"
+
+    def __init__(self, costs=None, estimate: str = "draft", max_draft_length: int = 16, block_size: int = 1):
+        super().__init__(max_draft_length=max_draft_length)
+        if costs is None or not all(hasattr(costs, a) for a in ("target", "draft_forward")):
+            raise ValueError("ExpectedThroughput needs `costs`: this machine's cost model, e.g. "
+                             "modeling_pacer.costs.host_costs(target, draft, head).")
+        if estimate not in ("draft", "head"):
+            raise ValueError(f"ExpectedThroughput estimate must be 'draft' or 'head', got {estimate!r}.")
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"ExpectedThroughput block_size must be an integer >= 1, got {block_size!r}.")
+        self.costs = costs
+        self.estimate = estimate
+        self.block_size = block_size
+        self.needs_head = estimate == "head"
+
+    def _step_cost(self, k: int, head_calls: int) -> float:
+        return k * self.costs.draft_forward + self.costs.target(k + 1) + head_calls * getattr(self.costs, "head_call", 0.0)
+
+    def stop_reason(self, draft: DraftView) -> str | None:
+        k = draft.length
+        if k % self.block_size != 0 and k < self.max_draft_length:
+            return None
+        if self.estimate == "head":
+            # cumulative predictions; a later one can only be less likely than an earlier one
+            c = torch.cummin(draft.acceptance().float().clamp(0.0, 1.0), dim=0).values
+        else:
+            c = torch.cumprod(draft.token_probs.float().clamp(0.0, 1.0), dim=0)
+        c = c.tolist()
+        calls = (k // self.block_size) if self.estimate == "head" else 0
+        tokens = 1.0 + sum(c)
+        rate_now = tokens / self._step_cost(k, calls)
+        r = c[-1] / c[-2] if k > 1 and c[-2] > 0 else c[-1]
+        expected, c_j = tokens, c[-1]
+        for longer in range(k + 1, self.max_draft_length + 1):
+            c_j *= r
+            expected += c_j
+            extra_calls = calls + (longer - k + self.block_size - 1) // self.block_size if self.estimate == "head" else 0
+            if expected / self._step_cost(longer, extra_calls) > rate_now:
+                return None
+        return "throughput"
+
+    def __repr__(self) -> str:
+        return (f"ExpectedThroughput(estimate={self.estimate!r}, max_draft_length={self.max_draft_length}, "
+                f"block_size={self.block_size})")
+
+
 POLICIES: dict[str, type[StoppingPolicy]] = {
-    cls.name: cls for cls in (FixedLength, Heuristic, Confidence, SVIP, SpecDecPP, Pacer)
+    cls.name: cls for cls in (FixedLength, Heuristic, Confidence, SVIP, SpecDecPP, Pacer, ExpectedThroughput)
 }
 
 

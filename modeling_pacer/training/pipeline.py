@@ -35,9 +35,12 @@ def trace_path(trace_dir: Path, prompt_id: str) -> Path:
     return trace_dir / f"{prompt_id}.safetensors"
 
 
-def trace_settings(pair_name: str, max_new_tokens: int, max_draft: int) -> dict:
-    """What a trace file records about how it was made; a resumed run reads only files made the same way."""
-    return dict(pair=pair_name, max_new_tokens=max_new_tokens, max_draft=max_draft)
+def trace_settings(pair, max_new_tokens: int, max_draft: int) -> dict:
+    """What a trace file records about how it was made; a resumed run reads only files made the same way
+    (the target's dtype and attention decide its greedy output, hence the labels)."""
+    return dict(pair=pair.name, target_dtype=str(pair.target.dtype).removeprefix("torch."),
+                target_attention=pair.target.config._attn_implementation,
+                max_new_tokens=max_new_tokens, max_draft=max_draft)
 
 
 def read_trace(path: Path, settings: dict):
@@ -69,7 +72,7 @@ def record_traces(pair, prompts: list[tuple[str, torch.Tensor]], max_new_tokens:
     from ..custom_generate.policies import FixedLength
     from ..replay import record_trace, save_traces
 
-    settings = trace_settings(pair.name, max_new_tokens, max_draft)
+    settings = trace_settings(pair, max_new_tokens, max_draft)
     trace_dir.mkdir(parents=True, exist_ok=True)
     traces = []
     for prompt_id, input_ids in prompts:
@@ -198,7 +201,7 @@ def train(args: RunArguments, pair, prompts: list[tuple[str, torch.Tensor]], dat
     """
     from tqdm.auto import tqdm
 
-    from ..replay import measure_costs
+    from ..costs import host_costs
     from .tuning import best_fixed_length, oracle_speedup, rule_ablations, tune_pacer
 
     script = args.script
@@ -212,7 +215,7 @@ def train(args: RunArguments, pair, prompts: list[tuple[str, torch.Tensor]], dat
         traces = record_traces(pair, mine, script.max_new_tokens, script.max_draft, out / "traces", script.resume, bar)
     if state.num_processes > 1:
         state.wait_for_everyone()  # every share is on disk; each process reads all of them
-        settings = trace_settings(pair.name, script.max_new_tokens, script.max_draft)
+        settings = trace_settings(pair, script.max_new_tokens, script.max_draft)
         paths = [trace_path(out / "traces", pid) for pid, _ in prompts]
         traces = [read_trace(path, settings) for path in paths if path.exists()]
     timings["traces"] = time.perf_counter() - start
@@ -231,8 +234,7 @@ def train(args: RunArguments, pair, prompts: list[tuple[str, torch.Tensor]], dat
     if not state.is_main_process:
         return {}
 
-    first_input = prompts[0][1].to(pair.target.device)
-    costs = measure_costs(pair.target, pair.draft, head, first_input, min(script.max_draft, 8) + 1)
+    costs = host_costs(pair.target, pair.draft, head, max_tokens=script.max_draft + 1)  # this machine's curve
     start = time.perf_counter()
     candidates = tune_pacer(head, eval_traces, costs, script.max_draft)
     timings["tuning"] = time.perf_counter() - start

@@ -1,0 +1,169 @@
+"""What generation costs on the machine that runs it: the target's verification forward for 1..n input
+tokens, a draft forward, a head call. Measured in a few seconds and cached per host, model and dtype,
+so that every cost-dependent choice (the oracle, pacer-train's tuning, cost-aware stopping rules) uses
+this machine's curve, never one stored from another machine: on CPU its shape changes with the host's
+kernels and with the dtype (a flat bf16 curve, an fp32 staircase whose steps move from host to host).
+"""
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+from .custom_generate.generate import crop_cache, model_forward
+
+
+@dataclass
+class CostModel:
+    """Measured seconds: a target forward of n input tokens after a cached prefix, one draft forward of
+    one token, one head call over a draft. Verification of k drafts feeds k + 1 tokens."""
+
+    target_forward: dict[int, float]
+    draft_forward: float
+    head_call: float = 0.0
+
+    def target(self, num_tokens: int) -> float:
+        known = max(self.target_forward)
+        if num_tokens <= known:
+            return self.target_forward[num_tokens]
+        return self.target_forward[known] * num_tokens / known  # beyond the measured range: linear
+
+    def step(self, drafted: int, head_calls: int = 0) -> float:
+        return drafted * self.draft_forward + self.target(drafted + 1) + head_calls * self.head_call
+
+    def to_dict(self) -> dict:
+        return {"target_forward": self.target_forward, "draft_forward": self.draft_forward, "head_call": self.head_call}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "CostModel":
+        """The inverse of `to_dict`, also after a JSON round trip (which turns the token counts into strings)."""
+        return cls({int(k): v for k, v in data["target_forward"].items()}, data["draft_forward"], data.get("head_call", 0.0))
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    fn()  # warm-up, excluded
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+@torch.no_grad()
+def measure_costs(target, draft, head, input_ids: torch.Tensor, max_tokens: int, repeats: int = 5) -> CostModel:
+    """Time forwards after a cached `input_ids` prefix `(1, L)`: the target for 1..max_tokens input
+    tokens, the draft for one, the head over a `max_tokens - 1` draft."""
+    def after_prefix(model):
+        cache = DynamicCache(config=model.config)
+        model_forward(model, input_ids, cache, 1)
+        return cache
+
+    target_cache, draft_cache = after_prefix(target), after_prefix(draft)
+    prefix = input_ids.shape[1]
+
+    def target_step(n):
+        model_forward(target, input_ids[:, -1:].repeat(1, n), target_cache, n)
+        crop_cache(target_cache, prefix)
+
+    def draft_step():
+        model_forward(draft, input_ids[:, -1:], draft_cache, 1)
+        crop_cache(draft_cache, prefix)
+
+    costs = {n: _median_seconds(lambda n=n: target_step(n), repeats) for n in range(1, max_tokens + 1)}
+    head_call = 0.0
+    if head is not None:
+        hidden = torch.randn(1, max(1, max_tokens - 1), head.config.draft_hidden_size, dtype=head.dtype)
+        head_call = _median_seconds(lambda: head.acceptance_probabilities(hidden), repeats)
+    return CostModel(costs, _median_seconds(draft_step, repeats), head_call)
+
+
+# --------------------------------------------------------------------------------------------------
+# measured once per host, model and dtype
+# --------------------------------------------------------------------------------------------------
+COST_FORMAT = "pacer-costs/1"
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def describe_model(model) -> dict | None:
+    """What decides a model's forward cost, as JSON: its checkpoint, parameter dtype, attention
+    implementation, and the classes of its linear layers (quantized or not) with pacer's row padding."""
+    if model is None:
+        return None
+    config = getattr(model, "config", None)
+    param = next(model.parameters(), None)
+    linears = sorted({f"{type(m).__module__}.{type(m).__name__}:{getattr(m, '_pacer_min_rows', 0)}"
+                      for m in model.modules() if "Linear" in type(m).__name__})
+    return dict(
+        name=str(getattr(config, "_name_or_path", "") or type(model).__name__),
+        model_class=type(model).__name__,
+        dtype=str(param.dtype) if param is not None else None,
+        device=str(param.device) if param is not None else None,
+        attn_implementation=getattr(config, "_attn_implementation", None),
+        parameters=sum(p.numel() for p in model.parameters()),
+        linears=linears,
+    )
+
+
+def describe_host() -> dict:
+    """The machine and runtime a cost curve belongs to."""
+    import transformers
+
+    return dict(host=platform.node(), cpu=_cpu_name(), threads=torch.get_num_threads(), torch=torch.__version__,
+                transformers=transformers.__version__)
+
+
+def default_costs_folder() -> Path:
+    return Path(os.environ.get("PACER_CACHE", Path.home() / ".cache" / "pacer")) / "costs"
+
+
+def host_costs(target, draft, head=None, *, max_tokens: int = 9, prefix_tokens: int = 128, repeats: int = 5,
+               folder: str | os.PathLike | None = None, refresh: bool = False, max_age_days: float = 7.0) -> CostModel:
+    """This machine's [`CostModel`] for `target`/`draft`/`head`: read from the cache when it was measured here,
+    for these models in this dtype, within `max_age_days`; otherwise measured (a few seconds) and cached.
+
+    The prefix is a fixed `prefix_tokens`-token sequence, so curves from different runs are comparable.
+    The cache key is the host (name, CPU, thread count, torch and transformers versions) and the models as
+    [`describe_model`] sees them; the file (`<folder>/<key>.json`, default `~/.cache/pacer/costs`) keeps
+    both, readable. `refresh=True` measures again (the machines are shared: a curve measured under load
+    is wrong until then).
+    """
+    key_fields = dict(format=COST_FORMAT, host=describe_host(), target=describe_model(target),
+                      draft=describe_model(draft), head=describe_model(head), max_tokens=max_tokens,
+                      prefix_tokens=prefix_tokens)
+    key = hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()[:20]
+    path = Path(folder) if folder is not None else default_costs_folder()
+    path = path / f"{key}.json"
+    if not refresh and path.is_file():
+        try:
+            saved = json.loads(path.read_text())
+            if time.time() - saved["measured_at"] <= max_age_days * 86400:
+                return CostModel.from_dict(saved["costs"])
+        except (ValueError, KeyError, TypeError):
+            pass  # unreadable or from another version: measure again
+    vocab = target.config.get_text_config(decoder=True).vocab_size
+    device = next(target.parameters()).device
+    prefix = (torch.arange(prefix_tokens) * 7919 % vocab).view(1, -1).to(device)  # any fixed ids: time only
+    costs = measure_costs(target, draft, head, prefix, max_tokens, repeats)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = dict(key_fields, measured_at=time.time(), costs=costs.to_dict())
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=1))
+    tmp.replace(path)
+    return costs

@@ -1,0 +1,122 @@
+"""This machine's cost curve: measured once per host, models and dtype, cached, read back; and the
+cost-aware stopping rule that uses it."""
+
+import json
+
+import pytest
+import torch
+
+from modeling_pacer import costs as costs_module
+from modeling_pacer.costs import CostModel, describe_model, host_costs
+from modeling_pacer.custom_generate.policies import DraftView, ExpectedThroughput, make_policy
+
+from conftest import make_head, make_pair
+
+
+def _counting(monkeypatch):
+    calls = []
+    real = costs_module.measure_costs
+
+    def measure(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(costs_module, "measure_costs", measure)
+    return calls
+
+
+def test_host_costs_are_measured_once_then_read_from_the_cache(tmp_path, monkeypatch):
+    target, draft = make_pair("llama", "llama", "noisy")
+    head = make_head(draft)
+    calls = _counting(monkeypatch)
+    first = host_costs(target, draft, head, max_tokens=4, prefix_tokens=16, repeats=1, folder=tmp_path)
+    assert len(calls) == 1 and sorted(first.target_forward) == [1, 2, 3, 4]
+    assert first.draft_forward > 0 and first.head_call > 0
+    (saved,) = tmp_path.glob("*.json")
+    record = json.loads(saved.read_text())
+    assert record["target"]["dtype"] == "torch.float32" and record["host"]["threads"] == torch.get_num_threads()
+    again = host_costs(target, draft, head, max_tokens=4, prefix_tokens=16, repeats=1, folder=tmp_path)
+    assert len(calls) == 1 and again.to_dict() == CostModel.from_dict(first.to_dict()).to_dict()
+    host_costs(target, draft, head, max_tokens=4, prefix_tokens=16, repeats=1, folder=tmp_path, refresh=True)
+    assert len(calls) == 2
+
+
+def test_host_costs_key_changes_with_dtype_threads_and_age(tmp_path, monkeypatch):
+    target, draft = make_pair("llama", "llama", "noisy")
+    calls = _counting(monkeypatch)
+    kwargs = dict(max_tokens=2, prefix_tokens=8, repeats=1, folder=tmp_path)
+    host_costs(target, draft, **kwargs)
+    host_costs(target.to(torch.bfloat16), draft, **kwargs)  # another dtype: another curve
+    assert len(calls) == 2 and len(list(tmp_path.glob("*.json"))) == 2
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        host_costs(target, draft, **kwargs)  # another thread count: another curve
+    finally:
+        torch.set_num_threads(threads)
+    assert len(calls) == 3
+    host_costs(target, draft, **kwargs, max_age_days=0)  # too old: measured again
+    assert len(calls) == 4
+    for path in tmp_path.glob("*.json"):
+        path.write_text("not json")
+    host_costs(target, draft, **kwargs)  # unreadable: measured again, not a crash
+    assert len(calls) == 5
+
+
+def test_describe_model_sees_exactness_and_quantization():
+    from modeling_pacer import make_exact
+    from modeling_pacer.pairs import quantize_dynamic_int8
+
+    target, draft = make_pair("llama", "llama", "noisy")
+    plain = describe_model(target)
+    assert describe_model(make_exact(target)) != plain
+    assert describe_model(quantize_dynamic_int8(draft))["linears"] != plain["linears"]
+
+
+# --------------------------------------------------------------------------------------------------
+# the cost-aware rule
+# --------------------------------------------------------------------------------------------------
+def _view(probs, acceptance=None):
+    probs = torch.tensor(probs)
+    return DraftView(probs, torch.zeros_like(probs), (lambda: torch.tensor(acceptance)) if acceptance else None)
+
+
+def test_throughput_rule_drafts_on_while_longer_drafts_pay():
+    flat = CostModel({n: 1.0 for n in range(1, 20)}, 0.05)
+    steep = CostModel({n: float(n) for n in range(1, 20)}, 0.05)
+    rule = ExpectedThroughput(flat, max_draft_length=8)
+    assert rule.stop_reason(_view([0.9])) is None  # verification is free: a likely token is worth drafting
+    assert rule.stop_reason(_view([0.9, 0.9, 0.05])) == "throughput"  # a likely miss: nothing after it pays
+    # every verified token costs a whole forward: no draft ever pays
+    assert ExpectedThroughput(steep, max_draft_length=8).stop_reason(_view([0.99])) == "throughput"
+    # at the length cap nothing longer is reachable
+    assert ExpectedThroughput(flat, max_draft_length=2).stop_reason(_view([0.99, 0.99])) == "throughput"
+
+
+def test_throughput_rule_looks_past_a_stair_of_the_cost_curve():
+    # 1-3 tokens cost one forward, 4-9 two: after 3 drafts (4 tokens to verify) the next stair has been paid
+    stairs = CostModel({n: 1.0 if n <= 3 else 2.0 for n in range(1, 20)}, 0.01)
+    rule = ExpectedThroughput(stairs, max_draft_length=8)
+    assert rule.stop_reason(_view([0.97, 0.97])) is None  # 3 tokens: the stair ahead pays off further on
+    assert rule.stop_reason(_view([0.6, 0.6])) == "throughput"  # unlikely: stop before the stair
+
+
+def test_throughput_rule_with_the_head_reads_its_cumulative_predictions_blockwise():
+    flat = CostModel({n: 1.0 for n in range(1, 20)}, 0.05, 0.001)
+    rule = ExpectedThroughput(flat, estimate="head", block_size=2, max_draft_length=8)
+    assert rule.needs_head
+    assert rule.stop_reason(_view([0.99], [0.9])) is None  # not a block boundary: the head is not read
+    assert rule.stop_reason(_view([0.99, 0.99], [0.9, 0.85])) is None
+    assert rule.stop_reason(_view([0.99, 0.99], [0.9, 0.02])) == "throughput"  # the draft's own probability is ignored
+
+
+def test_throughput_rule_refuses_bad_settings():
+    with pytest.raises(ValueError, match="host_costs"):
+        ExpectedThroughput()
+    with pytest.raises(ValueError, match="host_costs"):
+        make_policy("throughput")
+    flat = CostModel({1: 1.0}, 0.1)
+    with pytest.raises(ValueError, match="estimate"):
+        ExpectedThroughput(flat, estimate="oracle")
+    with pytest.raises(ValueError, match="block_size"):
+        ExpectedThroughput(flat, block_size=0)
