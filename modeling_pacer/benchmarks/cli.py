@@ -5,6 +5,7 @@
     pacer-bench run --record-traces traces.safetensors ...   # also record full traces for replay
     pacer-bench replay traces.safetensors --head path/to/head  # evaluate stopping rules without the models
     pacer-bench merge a/results.json b/results.json --out all  # one report from runs split by dataset
+    pacer-bench costs --dtypes bfloat16 float32 --out costs    # this machine's cost curves, measured and plotted
 
 Every argument is checked before a model is loaded.
 """
@@ -23,7 +24,7 @@ from modeling_pacer.prompts import DATASETS
 from modeling_pacer.resources import ensure_writable_folder
 
 QUICK_METHODS = ["target", "hf-assisted", "hf-constant-2", "fixed-2", "heuristic", "svip", "specdec++", "pacer"]
-COMMANDS = ("run", "replay", "merge")
+COMMANDS = ("run", "replay", "merge", "costs")
 
 
 def _positive(text: str) -> int:
@@ -48,7 +49,7 @@ def _add_method_choice(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pacer-bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="command", required=True, metavar="{run,replay,merge}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{run,replay,merge,costs}")
 
     run = sub.add_parser("run", help="run every method on real prompts, interleaved (the default command)")
     add_pair_arguments(run)
@@ -73,6 +74,19 @@ def build_parser() -> argparse.ArgumentParser:
                        "within the run that measured them")
     merge.add_argument("--methods", nargs="+", help="only these methods (exact names), e.g. those every run measured")
     _add_output(merge, "bench-out")
+
+    costs = sub.add_parser("costs", help="measure this machine's cost curves (target verification of 1..n tokens, "
+                           "draft, head) for one or more target dtypes, cached, and plot them")
+    add_pair_arguments(costs)
+    costs.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"],
+                       help="target dtypes to measure (each loads the pair once), e.g. bfloat16 float32")
+    costs.add_argument("--head", help="a PacerHead folder or repo id whose call is timed (default: the pair's head)")
+    costs.add_argument("--max-tokens", type=_positive, default=12, help="verification forwards of 1..max-tokens tokens")
+    costs.add_argument("--compare-exact", action="store_true",
+                       help="measure every dtype with and without exact verification (the cost of invariance)")
+    costs.add_argument("--refresh", action="store_true", help="measure again even where this host's curve is cached")
+    costs.add_argument("--threads", type=_positive, help="torch CPU threads (default: torch's choice)")
+    _add_output(costs, "costs-out")
     return p
 
 
@@ -95,8 +109,22 @@ def validate(args) -> None:
             raise ValueError("--methods must include 'target': every speedup is relative to the target alone.")
         if args.head is not None and not Path(args.head).exists() and not re.fullmatch(r"[\w.-]+/[\w.-]+", args.head):
             raise ValueError(f"--head {args.head}: no such folder, and not a Hub repo id (org/name).")
+    if args.command in ("run", "costs"):
+        # the names, checked; nothing loads
+        PairArguments(args.pair, args.target, args.draft, args.quantize_draft, args.dtype, args.exact)
+    if args.command == "costs":
+        from modeling_pacer.pairs.loading import DTYPES
+
+        bad = [d for d in args.dtypes if d != "auto" and d not in DTYPES]
+        if bad:
+            raise ValueError(f"--dtypes {bad}: not one of auto, {', '.join(sorted(DTYPES))}.")
+        if args.head is not None and not Path(args.head).exists() and not re.fullmatch(r"[\w.-]+/[\w.-]+", args.head):
+            raise ValueError(f"--head {args.head}: no such folder, and not a Hub repo id (org/name).")
     if args.command == "run":
-        PairArguments(args.pair, args.target, args.draft, args.quantize_draft)  # the names, checked; nothing loads
+        if "llama.cpp" in chosen:  # the target's GGUF file, found (not assembled) before a model loads
+            from .llamacpp import check_target_args
+
+            check_target_args(args)
         for dataset in args.datasets:
             prompt_file(dataset)  # PromptsNotInstalledError names the command that installs it
         if args.record_traces:
@@ -115,13 +143,13 @@ def _load_head(path):
     return PacerHead.from_pretrained(path).eval()
 
 
-def _available_methods(args, head):
+def _available_methods(args, head, costs=None, announce=False):
     from .methods import all_methods, select_methods
 
-    available = all_methods(tuple(args.gammas), head.config if head is not None else None)
+    available = all_methods(tuple(args.gammas), head.config if head is not None else None, costs)
     methods = select_methods(args.methods, available)
     skipped = [m.name for m in methods if m.needs_head and head is None]
-    if skipped:
+    if skipped and announce:
         print(f"pacer-bench: skipping {skipped}: they need a trained head (--head)", file=sys.stderr)
     return [m for m in methods if not (m.needs_head and head is None)]
 
@@ -148,23 +176,28 @@ def run(args) -> dict:
 
     from .report import write_report
     from .runner import oracle_records, run_live
-    from ..replay import measure_costs, record_trace, save_traces
+    from ..costs import host_costs
+    from ..replay import record_trace, save_traces
 
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.head is None and not args.target:
         args.head = default_head_path(args.pair or DEFAULT_PAIR)
     head = _load_head(args.head)
-    methods = _available_methods(args, head)
+    _available_methods(args, head, announce=True)  # says now, before the models load, which are skipped
     pair = pair_from_args(args)
+    print(f"pacer-bench: {pair.describe()}", file=sys.stderr)
+    # this machine's cost curve (cached per host, models and dtype): the oracle and cost-aware rules use it
+    costs = host_costs(pair.target, pair.draft, head, max_tokens=max(args.oracle_max_draft, 16) + 1)
+    methods = _available_methods(args, head, costs)
     prompts = _prompts(args, pair.tokenizer)
     with tqdm(total=len(prompts) * len(methods), desc="pacer-bench", unit="run") as bar:
         records, traces = run_live(pair, head, methods, prompts, args.max_new_tokens, bar, args.oracle_max_draft)
-    costs = measure_costs(pair.target, pair.draft, head, prompts[0][2], args.oracle_max_draft + 1)
     oracle_rows = oracle_records(traces, costs, args.oracle_max_draft)
     meta = dict(command="pacer-bench " + " ".join(shlex.quote(a) for a in sys.argv[1:]), pair=pair.name,
                 head=args.head, max_new_tokens=args.max_new_tokens, threads=torch.get_num_threads(),
-                quantize_draft=args.quantize_draft, costs=costs.to_dict(), torch=torch.__version__)
+                quantize_draft=args.quantize_draft, dtype=str(pair.dtype).removeprefix("torch."), exact=pair.exact,
+                costs=costs.to_dict(), torch=torch.__version__)
     result = write_report(Path(args.out), [r.to_dict() for r in records], oracle_rows, meta)
     if args.record_traces:
         full = [
@@ -187,12 +220,12 @@ def run_replay(args) -> dict:
             raise ValueError(f"{path} holds no cost model: replay needs the costs measured where it was recorded.")
         recorded += [(trace, saved.costs) for trace in saved.traces]
     head = _load_head(args.head)
-    methods = [m for m in _available_methods(args, head) if m.policy is not None]
+    methods = [m for m in _available_methods(args, head, announce=True) if m.policy is not None]
     rows = []
     for method in methods + [None]:
         seconds = alone = 0.0
         for trace, costs in recorded:
-            result = oracle(trace, costs, args.oracle_max_draft) if method is None else replay(method.policy(), trace, costs, head)
+            result = oracle(trace, costs, args.oracle_max_draft) if method is None else replay(method.make_policy(costs), trace, costs, head)
             seconds += result.seconds
             alone += result.target_alone_seconds
         rows.append(dict(method="oracle" if method is None else method.name, replayed_speedup=alone / seconds))
@@ -204,6 +237,68 @@ def run_replay(args) -> dict:
     (Path(args.out) / "replay.json").write_text(json.dumps(dict(rows=rows, meta=meta), indent=1))
     (Path(args.out) / "replay.md").write_text(f"Command: `{meta['command']}`\n\n" + "\n".join(lines) + "\n")
     return dict(rows=rows)
+
+
+def run_costs(args) -> dict:
+    """Load the pair once per dtype, read or measure this host's cost curve, write costs.json/.md/.png."""
+    from modeling_pacer.pairs import DEFAULT_PAIR, default_head_path, pair_from_args
+
+    from ..costs import describe_host, host_costs
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.head is None and not args.target:
+        args.head = default_head_path(args.pair or DEFAULT_PAIR)
+    head = _load_head(args.head)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    curves = {}
+    for dtype, exact in [(d, e) for d in args.dtypes for e in ((True, False) if args.compare_exact else (args.exact,))]:
+        args.dtype, args.exact = dtype, exact
+        pair = pair_from_args(args)
+        label = str(pair.dtype).removeprefix("torch.") + (" exact" if pair.exact else "")
+        costs = host_costs(pair.target, pair.draft, head, max_tokens=args.max_tokens, refresh=args.refresh)
+        curves[label] = costs.to_dict()
+        print(f"pacer-bench costs: {label}: target " + ", ".join(
+            f"{n}: {1000 * t:.0f}" for n, t in costs.target_forward.items()) + f" ms; draft {1000 * costs.draft_forward:.0f} ms",
+            file=sys.stderr)
+        del pair
+    meta = dict(command="pacer-bench " + " ".join(shlex.quote(a) for a in sys.argv[1:]), host=describe_host(),
+                head=args.head, quantize_draft=args.quantize_draft)
+    (out / "costs.json").write_text(json.dumps(dict(curves=curves, meta=meta), indent=1))
+    tokens = range(1, args.max_tokens + 1)
+    lines = [f"Command: `{meta['command']}` (host CPU: {meta['host']['cpu']}, {meta['host']['threads']} threads)", "",
+             "Milliseconds per forward after a cached 128-token prefix (median of 5):", "",
+             "| target | " + " | ".join(str(n) for n in tokens) + " | draft (1 token) | head |",
+             "|---|" + "---|" * (len(tokens) + 2)]
+    for label, c in curves.items():
+        lines.append(f"| {label} | " + " | ".join(f"{1000 * c['target_forward'][n]:.0f}" for n in tokens)
+                     + f" | {1000 * c['draft_forward']:.0f} | {1000 * c['head_call']:.1f} |")
+    (out / "costs.md").write_text("\n".join(lines) + "\n")
+    files = [out / "costs.json", out / "costs.md"]
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for label, c in curves.items():
+            ax.plot(list(tokens), [1000 * c["target_forward"][n] for n in tokens], marker="o", label=f"target {label}")
+        ax.set_xlabel("tokens in the target's forward (k drafted + 1)")
+        ax.set_ylabel("ms per forward")
+        ax.set_ylim(bottom=0)
+        ax.set_title("Verification cost on this machine")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "costs.png", dpi=120)
+        plt.close(fig)
+        files.append(out / "costs.png")
+    except ImportError:
+        print("pacer-bench costs: matplotlib is not installed: no plot (pip install -e '.[bench]')", file=sys.stderr)
+    print("\n".join(lines))
+    print("pacer-bench: wrote " + ", ".join(str(f) for f in files))
+    return dict(curves=curves, files=files)
 
 
 def run_merge(args) -> dict:
@@ -249,7 +344,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    result = {"run": run, "replay": run_replay, "merge": run_merge}[args.command](args)
+    result = {"run": run, "replay": run_replay, "merge": run_merge, "costs": run_costs}[args.command](args)
     lost = [r for r in result.get("summary", []) if r.get("dataset") == "all" and r.get("mismatches")]
     if lost:  # the report is written, but a method that changed the target's output is a failure
         print(f"pacer-bench: NOT LOSSLESS: {[r['method'] for r in lost]} changed the target's output", file=sys.stderr)

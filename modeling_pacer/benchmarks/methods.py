@@ -10,7 +10,16 @@ from typing import Callable
 import torch
 from transformers import GenerationMixin
 
-from ..custom_generate.policies import SVIP, Confidence, FixedLength, Heuristic, Pacer, SpecDecPP, StoppingPolicy
+from ..custom_generate.policies import (
+    SVIP,
+    Confidence,
+    ExpectedThroughput,
+    FixedLength,
+    Heuristic,
+    Pacer,
+    SpecDecPP,
+    StoppingPolicy,
+)
 
 
 @dataclass
@@ -23,6 +32,17 @@ class Method:
     policy: Callable[[], StoppingPolicy] | None = None
     assistant_config: dict = field(default_factory=dict)
     needs_head: bool = False
+    needs_costs: bool = False  # `policy` takes this machine's CostModel (a cost-aware rule)
+    costs: object = None  # the CostModel a live run measured; replay passes each trace file's own
+
+    def make_policy(self, costs=None) -> StoppingPolicy:
+        """A fresh policy; a cost-aware one gets `costs`, else the method's own (the live run's)."""
+        if not self.needs_costs:
+            return self.policy()
+        costs = costs if costs is not None else self.costs
+        if costs is None:
+            raise ValueError(f"{self.name} needs this machine's cost model (modeling_pacer.costs.host_costs).")
+        return self.policy(costs)
 
     @property
     def opt_in(self) -> bool:
@@ -40,12 +60,16 @@ def _hf(name: str, **assistant_config) -> Method:
     return Method(name, "hf", assistant_config=assistant_config)
 
 
-def _ours(name: str, policy: Callable[[], StoppingPolicy], needs_head: bool = False) -> Method:
-    return Method(name, "pacer", policy=policy, needs_head=needs_head)
+def _ours(name: str, policy: Callable[..., StoppingPolicy], needs_head: bool = False, costs=None,
+          needs_costs: bool = False) -> Method:
+    return Method(name, "pacer", policy=policy, needs_head=needs_head, needs_costs=needs_costs, costs=costs)
 
 
-def all_methods(gammas=(1, 2, 3, 4, 5, 6), head_config=None) -> dict[str, Method]:
-    """Every method by name. PACER and SpecDec++ use the head's tuned rule where one is given."""
+def all_methods(gammas=(1, 2, 3, 4, 5, 6), head_config=None, costs=None) -> dict[str, Method]:
+    """Every method by name. PACER and SpecDec++ use the head's tuned rule where one is given; the
+    cost-aware rules (`throughput`: the draft's probabilities, `pacer-throughput`: the head's predictions)
+    use `costs`, this machine's measured cost model."""
+    longest = head_config.max_draft_length if head_config else 16
     methods = [
         Method("target", "target"),
         _hf("hf-assisted"),  # transformers' defaults: 20 tokens, confidence threshold 0.4
@@ -59,6 +83,9 @@ def all_methods(gammas=(1, 2, 3, 4, 5, 6), head_config=None) -> dict[str, Method
         _ours("specdec++", lambda: SpecDecPP(max_draft_length=head_config.max_draft_length if head_config else 16),
               needs_head=True),
         _ours("pacer", lambda: Pacer.from_config(head_config), needs_head=True),
+        _ours("throughput", lambda c: ExpectedThroughput(c, "draft", longest), costs=costs, needs_costs=True),
+        _ours("pacer-throughput", lambda c: ExpectedThroughput(c, "head", longest), needs_head=True, costs=costs,
+              needs_costs=True),
         Method("llama.cpp", "llamacpp"),  # opt-in: plain greedy llama.cpp on the target's GGUF file
     ]
     return {m.name: m for m in methods}
@@ -107,6 +134,6 @@ def run_method(method: Method, target, draft, head, input_ids: torch.Tensor, max
             draft.generation_config = saved
     from ..custom_generate.generate import generate
 
-    out = generate(target, input_ids, assistant_model=draft, stopping_policy=method.policy(),
+    out = generate(target, input_ids, assistant_model=draft, stopping_policy=method.make_policy(),
                    pacer_head=head if method.needs_head else None, return_dict_in_generate=True, **settings)
     return out.sequences, out.pacer_stats
