@@ -265,7 +265,7 @@ def run_costs(args) -> dict:
         del pair
     meta = dict(command="pacer-bench " + " ".join(shlex.quote(a) for a in sys.argv[1:]), host=describe_host(),
                 head=args.head, quantize_draft=args.quantize_draft)
-    (out / "costs.json").write_text(json.dumps(dict(curves=curves, meta=meta), indent=1))
+    (out / "costs.json").write_text(json.dumps(dict(curves=curves, meta=meta), indent=1, default=str))
     tokens = range(1, args.max_tokens + 1)
     lines = [f"Command: `{meta['command']}` (host CPU: {meta['host']['cpu']}, {meta['host']['threads']} threads)", "",
              "Milliseconds per forward after a cached 128-token prefix (median of 5):", "",
