@@ -80,7 +80,8 @@ def measure_costs(target, draft, head, input_ids: torch.Tensor, max_tokens: int,
     costs = {n: _median_seconds(lambda n=n: target_step(n), repeats) for n in range(1, max_tokens + 1)}
     head_call = 0.0
     if head is not None:
-        hidden = torch.randn(1, max(1, max_tokens - 1), head.config.draft_hidden_size, dtype=head.dtype)
+        length = max(1, min(max_tokens - 1, head.config.max_draft_length))  # the longest draft it reads
+        hidden = torch.randn(1, length, head.config.draft_hidden_size, dtype=head.dtype)
         head_call = _median_seconds(lambda: head.acceptance_probabilities(hidden), repeats)
     return CostModel(costs, _median_seconds(draft_step, repeats), head_call)
 

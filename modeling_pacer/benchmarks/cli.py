@@ -188,7 +188,8 @@ def run(args) -> dict:
     pair = pair_from_args(args)
     print(f"pacer-bench: {pair.describe()}", file=sys.stderr)
     # this machine's cost curve (cached per host, models and dtype): the oracle and cost-aware rules use it
-    costs = host_costs(pair.target, pair.draft, head, max_tokens=max(args.oracle_max_draft, 16) + 1)
+    longest = head.config.max_draft_length if head is not None else 16  # the cost-aware rules' longest draft
+    costs = host_costs(pair.target, pair.draft, head, max_tokens=max(args.oracle_max_draft, longest) + 1)
     methods = _available_methods(args, head, costs)
     prompts = _prompts(args, pair.tokenizer)
     with tqdm(total=len(prompts) * len(methods), desc="pacer-bench", unit="run") as bar:
