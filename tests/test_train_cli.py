@@ -9,6 +9,7 @@ import dataclasses
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -132,10 +133,31 @@ def test_card_command_adds_benchmark_figures(tmp_path, monkeypatch):
     assert "No live benchmark" in before
     assert cli.main(["card", "--out", str(tmp_path / "run"), "--bench-results", str(tmp_path / "results.json")]) == 0
     card = (tmp_path / "run" / "head" / "README.md").read_text()
-    assert "| pacer | 1.50x | 2.50 | MISMATCH 1/3 |" in card and "9.9" not in card
-    assert "| svip | 1.25x (1.10-1.40) | 2.00 | yes |" in card
+    assert "| pacer | 1.50x | – | 2.50 | MISMATCH 1/3 |" in card and "9.9" not in card
+    assert "| svip | 1.25x (1.10-1.40) | – | 2.00 | yes |" in card
+    assert "**target float32 (verification not exact), draft**" in card  # a run that did not record its dtype ran the target in float32
     assert "pacer-bench --n 1\n" in card
     assert card.split("## Speed")[0] == before.split("## Speed")[0]  # nothing else changed
+
+    # several runs (one per dtype), each labelled with how it ran the target; a head folder that carries its
+    # run's training_summary.json (as the committed heads do) is re-rendered in place
+    bf16 = dict(meta=dict(parts=[dict(command="pacer-bench --datasets a", dtype="bfloat16", exact=True, quantize_draft=True),
+                                 dict(command="pacer-bench --datasets b", dtype="bfloat16", exact=True, quantize_draft=True)],
+                          command="pacer-bench merge", max_new_tokens=96),
+                summary=[dict(dataset="all", method="target", prompts=2, speedup=1.0, tokens_per_s=4.2, tau=1.0,
+                              mismatches=0),
+                         dict(dataset="all", method="llama.cpp", prompts=2, speedup=3.0, tokens_per_s=12.6, tau=None,
+                              mismatches=0, own_numerics=True)])
+    (tmp_path / "bf16.json").write_text(json.dumps(bf16))
+    head_folder = tmp_path / "head-folder"
+    shutil.copytree(tmp_path / "run" / "head", head_folder)
+    shutil.copy(tmp_path / "run" / "summary.json", head_folder / "training_summary.json")
+    assert cli.main(["card", "--out", str(head_folder), "--bench-results", str(tmp_path / "bf16.json"),
+                     str(tmp_path / "results.json")]) == 0
+    card = (head_folder / "README.md").read_text()
+    assert card.index("**target bfloat16 exact, dynamic-int8 draft**") < card.index("**target float32 (verification not exact), draft**")
+    assert "| target | 1.00x | 4.20 | 1.00 | yes |" in card and "| llama.cpp | 3.00x | 12.60 | – | own numerics (n/a) |" in card
+    assert "pacer-bench --datasets a\npacer-bench --datasets b\npacer-bench merge\n" in card
 
 
 def test_resume_reuses_traces(tmp_path, monkeypatch):

@@ -122,18 +122,22 @@ class PacerTrainScriptArguments:
 class PacerCardArguments:
     """What `pacer-train card` re-renders: a finished run's head card, with a benchmark of the head."""
 
-    out: str = field(metadata={"help": "the folder of a finished `pacer-train run`: its summary.json and head/"})
-    bench_results: str | None = field(
+    out: str = field(metadata={"help": "the folder of a finished `pacer-train run` (its summary.json and head/), "
+                                       "or a head folder holding its run's training_summary.json"})
+    bench_results: list[str] | None = field(
         default=None,
-        metadata={"help": "a pacer-bench results.json measured with this head, for the card's Speed section"},
+        metadata={"help": "pacer-bench results.json files measured with this head (e.g. one per dtype), for the "
+                          "card's Speed section, in this order"},
     )
 
     def __post_init__(self):
         out = Path(self.out)
-        _check((out / "summary.json").is_file() and (out / "head").is_dir(),
-               f"--out {self.out} holds no finished run (summary.json and head/, as `pacer-train run` writes them).")
-        _check(self.bench_results is None or Path(self.bench_results).is_file(),
-               f"--bench-results {self.bench_results}: no such file.")
+        _check(((out / "summary.json").is_file() and (out / "head").is_dir())
+               or ((out / "training_summary.json").is_file() and (out / "config.json").is_file()),
+               f"--out {self.out} holds no finished run (summary.json and head/, as `pacer-train run` writes them) "
+               "and is no head folder with its training_summary.json.")
+        missing = [path for path in self.bench_results or [] if not Path(path).is_file()]
+        _check(not missing, f"--bench-results {' '.join(missing)}: no such file.")
 
 
 class RunArguments(NamedTuple):

@@ -13,29 +13,49 @@ def _fmt(x, pattern=".3f"):
     return format(x, pattern) if isinstance(x, (int, float)) else str(x)
 
 
-def speed_section(bench: dict | None) -> str:
-    """Markdown for the card's Speed section from a `pacer-bench` results.json (its summary over all
-    datasets), or a pointer when no benchmark of this head was given."""
-    if not bench:
-        return "No live benchmark of this head was given to the card (`--bench-results`); the replayed ablations are below."
+def bench_setting(bench: dict) -> str:
+    """How a pacer-bench run ran the target (dtype, exact verification), from its meta or its parts'
+    (a merged report). Runs written before pacer recorded it loaded the target in float32, not exact."""
+    metas = bench["meta"].get("parts") or [bench["meta"]]
+    settings = {f"{m.get('dtype', 'float32')}{' exact' if m.get('exact') else ' (verification not exact)'}" for m in metas}
+    draft = "dynamic-int8 draft" if all(m.get("quantize_draft") for m in metas) else "draft"
+    return f"target {' / '.join(sorted(settings))}, {draft}"
+
+
+def _speed_table(bench: dict) -> str:
     from ..benchmarks.report import format_speedup
 
     rows = [r for r in bench["summary"] if r["dataset"] == "all"]
-    lines = ["| method | speedup over the target alone (95% CI over prompts) | τ (tokens / target forward) | lossless |",
-             "|---|---|---|---|"]
+    lines = ["| method | speedup over the target alone (95% CI over prompts) | tokens/s | τ (tokens / target forward) "
+             "| lossless |", "|---|---|---|---|---|"]
     for r in rows:
-        lossless = "yes" if r["mismatches"] == 0 else f"MISMATCH {r['mismatches']}/{r['prompts']}"
-        lines.append(f"| {r['method']} | {format_speedup(r)} | {r['tau']:.2f} | {lossless} |")
+        if r.get("own_numerics"):
+            lossless = "own numerics (n/a)"
+        else:
+            lossless = "yes" if r["mismatches"] == 0 else f"MISMATCH {r['mismatches']}/{r['prompts']}"
+        tokens_per_s = "–" if r.get("tokens_per_s") is None else f"{r['tokens_per_s']:.2f}"
+        tau = "–" if r.get("tau") is None else f"{r['tau']:.2f}"
+        lines.append(f"| {r['method']} | {format_speedup(r)} | {tokens_per_s} | {tau} | {lossless} |")
     prompts = max((r["prompts"] for r in rows), default=0)
     datasets = ", ".join(dict.fromkeys(r["dataset"] for r in bench["summary"] if r["dataset"] != "all"))
     # a merged report (`pacer-bench merge`) keeps the command of every run it merged
     commands = [part["command"] for part in bench["meta"].get("parts", [])] + [bench["meta"].get("command")]
-    return (f"Measured live by `pacer-bench` on this CPU ({prompts} prompts: {datasets}; "
-            f"{bench['meta'].get('max_new_tokens')} new tokens, greedy), every method interleaved per prompt:\n\n"
-            + "\n".join(lines) + "\n\nCommands:\n\n```bash\n" + "\n".join(commands) + "\n```")
+    return (f"**{bench_setting(bench)}** ({prompts} prompts: {datasets}; {bench['meta'].get('max_new_tokens')} new "
+            "tokens, greedy):\n\n" + "\n".join(lines) + "\n\nCommands:\n\n```bash\n" + "\n".join(commands) + "\n```")
 
 
-def render_card(folder: Path, fields: dict, bench: dict | None = None) -> Path:
+def speed_section(benches: list[dict] | dict | None) -> str:
+    """Markdown for the card's Speed section from one or more `pacer-bench` results.json (each one's summary
+    over all datasets, labelled with how it ran the target), or a pointer when none was given."""
+    if isinstance(benches, dict):
+        benches = [benches]
+    if not benches:
+        return "No live benchmark of this head was given to the card (`--bench-results`); the replayed ablations are below."
+    return ("Measured live by `pacer-bench` on this CPU, every method interleaved per prompt, each run against "
+            "the target alone in the same run:\n\n" + "\n\n".join(_speed_table(b) for b in benches))
+
+
+def render_card(folder: Path, fields: dict, bench: list[dict] | dict | None = None) -> Path:
     """Write `folder/README.md` from the card fields a training run saved (and a benchmark, if given)."""
     from ..hub_cards import render_head_card
 
@@ -62,9 +82,14 @@ def card_fields(head, *, pair_name, target, draft, base_model, repo_id, metrics,
     )
 
 
-def rerender_card(out: Path, bench_results: Path | None = None) -> Path:
-    """`pacer-train card`: the head card of the finished run in `out` rendered again from the fields its
-    summary.json kept, with the Speed section of `bench_results` (a pacer-bench run of the head) if given."""
-    fields = json.loads((out / "summary.json").read_text())["card"]
-    bench = json.loads(Path(bench_results).read_text()) if bench_results else None
-    return render_card(out / "head", fields, bench)
+def rerender_card(out: Path, bench_results: list[Path] | None = None) -> Path:
+    """`pacer-train card`: a head card rendered again from the fields its training run kept, with the Speed
+    section of `bench_results` (pacer-bench runs of the head) if given. `out` is a finished run's folder
+    (summary.json, card written to head/) or a head folder that carries its run's training_summary.json
+    (as the committed heads do; card written there)."""
+    out = Path(out)
+    summary, folder = (out / "summary.json", out / "head") if (out / "summary.json").is_file() else (
+        out / "training_summary.json", out)
+    fields = json.loads(summary.read_text())["card"]
+    benches = [json.loads(Path(path).read_text()) for path in bench_results or []]
+    return render_card(folder, fields, benches)
