@@ -381,3 +381,26 @@ def test_registered_gguf_parts_assemble_convert_and_cache(tmp_path, monkeypatch)
     # later loads reuse the cache: no re-conversion
     monkeypatch.setattr(pairs.gguf, "convert_gguf", lambda *a, **k: pytest.fail("converted twice"))
     load_pair(spec.name, pacer_cache=cache)
+
+
+def test_bench_costs_command_measures_each_dtype_once_and_plots(tiny_folder, tmp_path, monkeypatch, capsys):
+    """`pacer-bench costs`: one curve per dtype (and exactness), cached per host: a second run reads them."""
+    from modeling_pacer import costs as costs_module
+    from modeling_pacer.benchmarks.cli import main
+
+    monkeypatch.setenv("PACER_CACHE", str(tmp_path / "cache"))
+    calls = []
+    real = costs_module.measure_costs
+    monkeypatch.setattr(costs_module, "measure_costs", lambda *a: calls.append(a) or real(*a[:5], 1))  # one repeat
+    argv = ["costs", "--target", str(tiny_folder), "--draft", str(tiny_folder), "--dtypes", "float32", "bfloat16",
+            "--compare-exact", "--max-tokens", "3", "--out", str(tmp_path / "out")]
+    assert main(argv) == 0
+    assert len(calls) == 4 and len(list((tmp_path / "cache" / "costs").glob("*.json"))) == 4
+    saved = json.loads((tmp_path / "out" / "costs.json").read_text())
+    assert sorted(saved["curves"]) == ["bfloat16", "bfloat16 exact", "float32", "float32 exact"]
+    assert all(sorted(int(n) for n in c["target_forward"]) == [1, 2, 3] for c in saved["curves"].values())
+    assert (tmp_path / "out" / "costs.png").is_file() and "| float32 exact |" in (tmp_path / "out" / "costs.md").read_text()
+    assert main(argv) == 0 and len(calls) == 4  # this host's curves, read back
+    with pytest.raises(SystemExit) as stopped:
+        main(["costs", "--dtypes", "int3", "--out", str(tmp_path / "bad")])
+    assert stopped.value.code == 2 and "--dtypes" in capsys.readouterr().err

@@ -103,12 +103,13 @@ def validate(args) -> None:
 
     from .methods import all_methods, select_methods
 
+    head = getattr(args, "head", None)  # run, replay, costs
+    if head is not None and not Path(head).exists() and not re.fullmatch(r"[\w.-]+/[\w.-]+", head):
+        raise ValueError(f"--head {head}: no such folder, and not a Hub repo id (org/name).")
     if args.command in ("run", "replay"):
         chosen = [m.name for m in select_methods(args.methods, all_methods(tuple(args.gammas)))]  # unknown: an error
         if args.command == "run" and "target" not in chosen:
             raise ValueError("--methods must include 'target': every speedup is relative to the target alone.")
-        if args.head is not None and not Path(args.head).exists() and not re.fullmatch(r"[\w.-]+/[\w.-]+", args.head):
-            raise ValueError(f"--head {args.head}: no such folder, and not a Hub repo id (org/name).")
     if args.command in ("run", "costs"):
         # the names, checked; nothing loads
         PairArguments(args.pair, args.target, args.draft, args.quantize_draft, args.dtype, args.exact)
@@ -118,8 +119,6 @@ def validate(args) -> None:
         bad = [d for d in args.dtypes if d != "auto" and d not in DTYPES]
         if bad:
             raise ValueError(f"--dtypes {bad}: not one of auto, {', '.join(sorted(DTYPES))}.")
-        if args.head is not None and not Path(args.head).exists() and not re.fullmatch(r"[\w.-]+/[\w.-]+", args.head):
-            raise ValueError(f"--head {args.head}: no such folder, and not a Hub repo id (org/name).")
     if args.command == "run":
         if "llama.cpp" in chosen:  # the target's GGUF file, found (not assembled) before a model loads
             from .llamacpp import check_target_args
@@ -133,6 +132,17 @@ def validate(args) -> None:
         if not Path(path).is_file():
             raise ValueError(f"{path}: no such file.")
     ensure_writable_folder(Path(args.out))
+
+
+def _setup(args):
+    """`run`'s and `costs`' common start: torch's thread count, and the head (the pair's own by default)."""
+    from modeling_pacer.pairs import DEFAULT_PAIR, default_head_path
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.head is None and not args.target:
+        args.head = default_head_path(args.pair or DEFAULT_PAIR)
+    return _load_head(args.head)
 
 
 def _load_head(path):
@@ -172,18 +182,14 @@ def _print_result(result: dict) -> None:
 def run(args) -> dict:
     from tqdm.auto import tqdm
 
-    from modeling_pacer.pairs import DEFAULT_PAIR, default_head_path, pair_from_args
+    from modeling_pacer.pairs import pair_from_args
 
     from .report import write_report
     from .runner import oracle_records, run_live
     from ..costs import host_costs
     from ..replay import record_trace, save_traces
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.head is None and not args.target:
-        args.head = default_head_path(args.pair or DEFAULT_PAIR)
-    head = _load_head(args.head)
+    head = _setup(args)
     _available_methods(args, head, announce=True)  # says now, before the models load, which are skipped
     pair = pair_from_args(args)
     print(f"pacer-bench: {pair.describe()}", file=sys.stderr)
@@ -242,15 +248,11 @@ def run_replay(args) -> dict:
 
 def run_costs(args) -> dict:
     """Load the pair once per dtype, read or measure this host's cost curve, write costs.json/.md/.png."""
-    from modeling_pacer.pairs import DEFAULT_PAIR, default_head_path, pair_from_args
+    from modeling_pacer.pairs import pair_from_args
 
     from ..costs import describe_host, host_costs
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.head is None and not args.target:
-        args.head = default_head_path(args.pair or DEFAULT_PAIR)
-    head = _load_head(args.head)
+    head = _setup(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     curves = {}
