@@ -18,6 +18,7 @@ import torch
 from transformers import DynamicCache
 
 from .custom_generate.generate import crop_cache, model_forward
+from .pairs.registry import cache_root
 
 
 @dataclass
@@ -92,14 +93,17 @@ def measure_costs(target, draft, head, input_ids: torch.Tensor, max_tokens: int,
 COST_FORMAT = "pacer-costs/1"
 
 
-def _cpu_name() -> str:
+def cpuinfo_field(name: str) -> str | None:
+    """The first `name : value` line's value in /proc/cpuinfo (e.g. "model name", "flags"); None where there is none."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == name:
+                    return value.strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return None
 
 
 def describe_model(model) -> dict | None:
@@ -126,12 +130,9 @@ def describe_host() -> dict:
     """The machine and runtime a cost curve belongs to."""
     import transformers
 
-    return dict(host=platform.node(), cpu=_cpu_name(), threads=torch.get_num_threads(), torch=torch.__version__,
+    cpu = cpuinfo_field("model name") or platform.processor() or platform.machine()
+    return dict(host=platform.node(), cpu=cpu, threads=torch.get_num_threads(), torch=torch.__version__,
                 transformers=transformers.__version__)
-
-
-def default_costs_folder() -> Path:
-    return Path(os.environ.get("PACER_CACHE", Path.home() / ".cache" / "pacer")) / "costs"
 
 
 def host_costs(target, draft, head=None, *, max_tokens: int = 9, prefix_tokens: int = 128, repeats: int = 5,
@@ -149,7 +150,7 @@ def host_costs(target, draft, head=None, *, max_tokens: int = 9, prefix_tokens: 
                       draft=describe_model(draft), head=describe_model(head), max_tokens=max_tokens,
                       prefix_tokens=prefix_tokens)
     key = hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()[:20]
-    path = Path(folder) if folder is not None else default_costs_folder()
+    path = Path(folder) if folder is not None else cache_root() / "costs"
     path = path / f"{key}.json"
     if not refresh and path.is_file():
         try:

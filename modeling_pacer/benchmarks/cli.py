@@ -114,11 +114,13 @@ def validate(args) -> None:
         # the names, checked; nothing loads
         PairArguments(args.pair, args.target, args.draft, args.quantize_draft, args.dtype, args.exact)
     if args.command == "costs":
-        from modeling_pacer.pairs.loading import DTYPES
+        from modeling_pacer.pairs.loading import resolve_dtype
 
-        bad = [d for d in args.dtypes if d != "auto" and d not in DTYPES]
-        if bad:
-            raise ValueError(f"--dtypes {bad}: not one of auto, {', '.join(sorted(DTYPES))}.")
+        for dtype in args.dtypes:
+            try:
+                resolve_dtype(dtype)
+            except ValueError as error:
+                raise ValueError(f"--dtypes: {error}") from None
     if args.command == "run":
         if "llama.cpp" in chosen:  # the target's GGUF file, found (not assembled) before a model loads
             from .llamacpp import check_target_args
@@ -259,7 +261,7 @@ def run_costs(args) -> dict:
     for dtype, exact in [(d, e) for d in args.dtypes for e in ((True, False) if args.compare_exact else (args.exact,))]:
         args.dtype, args.exact = dtype, exact
         pair = pair_from_args(args)
-        label = str(pair.dtype).removeprefix("torch.") + (" exact" if pair.exact else "")
+        label = pair.setting
         costs = host_costs(pair.target, pair.draft, head, max_tokens=args.max_tokens, refresh=args.refresh)
         curves[label] = costs.to_dict()
         print(f"pacer-bench costs: {label}: target " + ", ".join(

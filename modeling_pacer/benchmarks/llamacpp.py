@@ -46,16 +46,23 @@ def _not_gguf(source: ModelSource) -> ValueError:
     )
 
 
+def _local_gguf(source: ModelSource) -> Path | None:
+    """The local `.gguf` file a source names, if it exists."""
+    if source.gguf_file is None:
+        return None
+    path = Path(source.path).expanduser() / source.gguf_file
+    return path if path.is_file() else None
+
+
 def target_gguf(source: ModelSource, pacer_cache=None, *, pair_name: str = DEFAULT_PAIR) -> Path:
     """The GGUF file the target was loaded from: a registered pair's assembled file in the pacer cache
     (assembled from the installed parts if it is not there), or a local `.gguf` file."""
     if source.parts is not None:
         return ensure_gguf(source.parts, pacer_cache, pair_name=pair_name)
-    if source.gguf_file is not None:
-        path = Path(source.path).expanduser() / source.gguf_file
-        if path.is_file():
-            return path
-    raise _not_gguf(source)
+    path = _local_gguf(source)
+    if path is None:
+        raise _not_gguf(source)
+    return path
 
 
 def check_target(source: ModelSource, pacer_cache=None, *, pair_name: str = DEFAULT_PAIR) -> None:
@@ -68,7 +75,7 @@ def check_target(source: ModelSource, pacer_cache=None, *, pair_name: str = DEFA
         except WeightsNotInstalledError as error:
             raise ValueError(str(error)) from None
         return
-    if source.gguf_file is None or not (Path(source.path).expanduser() / source.gguf_file).is_file():
+    if _local_gguf(source) is None:
         raise _not_gguf(source)
 
 

@@ -276,7 +276,7 @@ class ExpectedThroughput(StoppingPolicy):
 
     def __init__(self, costs=None, estimate: str = "draft", max_draft_length: int = 16, block_size: int = 1):
         super().__init__(max_draft_length=max_draft_length)
-        if costs is None or not all(hasattr(costs, a) for a in ("target", "draft_forward")):
+        if costs is None or not hasattr(costs, "step"):
             raise ValueError("ExpectedThroughput needs `costs`: this machine's cost model, e.g. "
                              "modeling_pacer.costs.host_costs(target, draft, head).")
         if estimate not in ("draft", "head"):
@@ -287,9 +287,6 @@ class ExpectedThroughput(StoppingPolicy):
         self.estimate = estimate
         self.block_size = block_size
         self.needs_head = estimate == "head"
-
-    def _step_cost(self, k: int, head_calls: int) -> float:
-        return k * self.costs.draft_forward + self.costs.target(k + 1) + head_calls * getattr(self.costs, "head_call", 0.0)
 
     def stop_reason(self, draft: DraftView) -> str | None:
         k = draft.length
@@ -303,14 +300,14 @@ class ExpectedThroughput(StoppingPolicy):
         c = c.tolist()
         calls = (k // self.block_size) if self.estimate == "head" else 0
         tokens = 1.0 + sum(c)
-        rate_now = tokens / self._step_cost(k, calls)
+        rate_now = tokens / self.costs.step(k, calls)
         r = c[-1] / c[-2] if k > 1 and c[-2] > 0 else c[-1]
         expected, c_j = tokens, c[-1]
         for longer in range(k + 1, self.max_draft_length + 1):
             c_j *= r
             expected += c_j
             extra_calls = calls + (longer - k + self.block_size - 1) // self.block_size if self.estimate == "head" else 0
-            if expected / self._step_cost(longer, extra_calls) > rate_now:
+            if expected / self.costs.step(longer, extra_calls) > rate_now:
                 return None
         return "throughput"
 

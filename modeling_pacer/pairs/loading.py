@@ -34,9 +34,14 @@ class LoadedPair:
     dtype: torch.dtype = torch.float32  # the target's
     exact: bool = False  # the target's verification is bitwise row-invariant (`make_exact`)
 
+    @property
+    def setting(self) -> str:
+        """How the target runs: its dtype, and "exact" where its verification is (e.g. "bfloat16 exact")."""
+        return str(self.dtype).removeprefix("torch.") + (" exact" if self.exact else "")
+
     def describe(self) -> str:
         """One line for reports: the pair, the target's dtype and whether its verification is exact."""
-        return f"{self.name}, target {str(self.dtype).removeprefix('torch.')}{' exact' if self.exact else ''}"
+        return f"{self.name}, target {self.setting}"
 
 
 def resolve_pair(name_or_target: str | os.PathLike | PairSpec, draft=None) -> PairSpec:
@@ -95,11 +100,9 @@ def quantize_dynamic_int8(model: torch.nn.Module) -> torch.nn.Module:
 def cpu_has_fast_bf16() -> bool:
     """True when this CPU computes bf16 matrix products natively (AVX512-BF16 or AMX), where a bf16
     model runs faster than float32; without them torch emulates bf16 and float32 is the better choice."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
+    from ..costs import cpuinfo_field
+
+    flags = (cpuinfo_field("flags") or "").split()
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
@@ -242,8 +245,10 @@ class PairArguments:
     )
 
     def __post_init__(self):
-        if self.dtype != "auto" and self.dtype not in DTYPES:
-            raise ValueError(f"--dtype must be auto or one of {sorted(DTYPES)}, got {self.dtype!r}.")
+        try:
+            resolve_dtype(self.dtype)
+        except ValueError as error:
+            raise ValueError(f"--dtype: {error}") from None
         # the names alone (registered pair, or a target with its draft): nothing is read or loaded yet
         if self.target and not self.draft and self.target not in PAIRS:
             raise ValueError(f"--target {self.target} needs --draft (the draft model that proposes its tokens).")
