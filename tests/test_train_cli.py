@@ -358,7 +358,7 @@ def test_unwritable_out_and_bad_recipes_stop_before_any_model(tmp_path, no_loadi
                                   ("unknown", dict(epochs=8), "epochs"), ("no-out", dict(out=None), "out"),
                                   ("string", dict(learning_rate="1e-3"), "write 0.001"),
                                   ("unchecked-string", dict(weight_decay="1e-2"), "recipe key weight_decay"),
-                                  ("fraction", dict(n=20.5), "recipe key n"), ("switch", dict(quantize_draft="yes"), "true or false")]:
+                                  ("fraction", dict(n=20.5), "recipe key n"), ("switch", dict(quantize_draft="yes"), "quantize-draft must be one of")]:
         path = tmp_path / f"{name}.yaml"
         path.write_text(yaml.safe_dump({k: v for k, v in {**recipe, **change}.items() if v is not None}))
         cases.append((["run", str(path)], message))

@@ -79,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "draft, head) for one or more target dtypes, cached, and plot them")
     add_pair_arguments(costs)
     costs.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"],
-                       help="target dtypes to measure (each loads the pair once), e.g. bfloat16 float32")
+                       help="target settings to measure (each loads the pair once): dtypes, or int4 / int4+int8 "
+                            "(a bf16 target with 4-bit weights, as --quantize-target), e.g. bfloat16 int4 float32")
     costs.add_argument("--head", help="a PacerHead folder or repo id whose call is timed (default: the pair's head)")
     costs.add_argument("--max-tokens", type=_positive, default=12, help="verification forwards of 1..max-tokens tokens")
     costs.add_argument("--compare-exact", action="store_true",
@@ -112,15 +113,19 @@ def validate(args) -> None:
             raise ValueError("--methods must include 'target': every speedup is relative to the target alone.")
     if args.command in ("run", "costs"):
         # the names, checked; nothing loads
-        PairArguments(args.pair, args.target, args.draft, args.quantize_draft, args.dtype, args.exact)
+        PairArguments(args.pair, args.target, args.draft, args.quantize_draft, args.quantize_target, args.dtype,
+                      args.exact)
     if args.command == "costs":
         from modeling_pacer.pairs.loading import resolve_dtype
 
+        from modeling_pacer.pairs.loading import TARGET_QUANTIZATIONS
+
         for dtype in args.dtypes:
             try:
-                resolve_dtype(dtype)
+                if dtype not in TARGET_QUANTIZATIONS:
+                    resolve_dtype(dtype)
             except ValueError as error:
-                raise ValueError(f"--dtypes: {error}") from None
+                raise ValueError(f"--dtypes: {error} (or one of {sorted(TARGET_QUANTIZATIONS)})") from None
     if args.command == "run":
         if "llama.cpp" in chosen:  # the target's GGUF file, found (not assembled) before a model loads
             from .llamacpp import check_target_args
@@ -205,7 +210,8 @@ def run(args) -> dict:
     oracle_rows = oracle_records(traces, costs, args.oracle_max_draft)
     meta = dict(command="pacer-bench " + " ".join(shlex.quote(a) for a in sys.argv[1:]), pair=pair.name,
                 head=args.head, max_new_tokens=args.max_new_tokens, threads=torch.get_num_threads(),
-                quantize_draft=args.quantize_draft, dtype=str(pair.dtype).removeprefix("torch."), exact=pair.exact,
+                quantize_draft=args.quantize_draft, quantize_target=pair.quantize_target,
+                dtype=str(pair.dtype).removeprefix("torch."), exact=pair.exact,
                 costs=costs.to_dict(), torch=torch.__version__)
     result = write_report(Path(args.out), [r.to_dict() for r in records], oracle_rows, meta)
     if args.record_traces:
@@ -251,6 +257,7 @@ def run_replay(args) -> dict:
 def run_costs(args) -> dict:
     """Load the pair once per dtype, read or measure this host's cost curve, write costs.json/.md/.png."""
     from modeling_pacer.pairs import pair_from_args
+    from modeling_pacer.pairs.loading import TARGET_QUANTIZATIONS
 
     from ..costs import describe_host, host_costs
 
@@ -258,8 +265,11 @@ def run_costs(args) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     curves = {}
+    quantize_target = args.quantize_target  # for the settings that are plain dtypes
     for dtype, exact in [(d, e) for d in args.dtypes for e in ((True, False) if args.compare_exact else (args.exact,))]:
-        args.dtype, args.exact = dtype, exact
+        quantized = dtype in TARGET_QUANTIZATIONS  # int4 / int4+int8: a bf16 target with 4-bit weights
+        args.dtype, args.exact = ("bfloat16" if quantized else dtype), exact
+        args.quantize_target = dtype if quantized else quantize_target
         pair = pair_from_args(args)
         label = pair.setting
         costs = host_costs(pair.target, pair.draft, head, max_tokens=args.max_tokens, refresh=args.refresh)

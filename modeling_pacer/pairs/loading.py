@@ -33,11 +33,14 @@ class LoadedPair:
     load_seconds: dict[str, float] = field(default_factory=dict)
     dtype: torch.dtype = torch.float32  # the target's
     exact: bool = False  # the target's verification is bitwise row-invariant (`make_exact`)
+    quantize_target: str | None = None  # the target's weight-only quantization (TARGET_QUANTIZATIONS), if any
 
     @property
     def setting(self) -> str:
-        """How the target runs: its dtype, and "exact" where its verification is (e.g. "bfloat16 exact")."""
-        return str(self.dtype).removeprefix("torch.") + (" exact" if self.exact else "")
+        """How the target runs: its dtype, "exact" where its verification is, and its weight quantization
+        (e.g. "bfloat16 exact", "bfloat16 exact, int4 weights")."""
+        return (str(self.dtype).removeprefix("torch.") + (" exact" if self.exact else "")
+                + (f", {self.quantize_target} weights" if self.quantize_target else ""))
 
     def describe(self) -> str:
         """One line for reports: the pair, the target's dtype and whether its verification is exact."""
@@ -73,6 +76,13 @@ def model_location(source: ModelSource, pacer_cache=None, *, pair_name: str = DE
     if source.parts is not None:
         return str(ensure_converted(source.parts, pacer_cache, pair_name=pair_name)), {}
     return source.path, ({"gguf_file": source.gguf_file} if source.gguf_file else {})
+
+
+# the target's weight-only quantizations: the GGUF's Q4_K tensors stay 4-bit, the rest (Q6_K, the LM head)
+# become int4 (fastest) or int8 (closer to the file); see modeling_pacer.quantization
+TARGET_QUANTIZATIONS = {"int4": "int4", "int4+int8": "int8"}
+# the draft's: dynamic int8 (float32 activations), or int4 weights with bf16 activations
+DRAFT_QUANTIZATIONS = ("int8", "int4")
 
 
 def quantize_dynamic_int8(model: torch.nn.Module) -> torch.nn.Module:
@@ -151,7 +161,8 @@ def load_pair(
     dtype: torch.dtype | str = "auto",
     draft_dtype: torch.dtype | str | None = None,
     device_map=None,
-    quantize_draft: bool = False,
+    quantize_draft: bool | str = False,
+    quantize_target: str | None = None,
     exact: bool = True,
     load_in_8bit_target: bool = False,
     pacer_cache: str | os.PathLike | None = None,
@@ -167,7 +178,14 @@ def load_pair(
             float32): a torch dtype, its name, or `"auto"` (default): bf16 on a CPU with native bf16 (or a
             bf16-capable GPU), float32 elsewhere. `LoadedPair.dtype` says which was used.
         device_map: passed to both `from_pretrained` calls (e.g. `"auto"`).
-        quantize_draft: dynamic int8 quantization of the draft's Linear layers (CPU, fp32 draft only).
+        quantize_draft: quantize the draft's Linear layers (CPU): True or "int8" for dynamic int8 (float32
+            draft), "int4" for 4-bit weights in groups of 32 with bf16 activations. Only speed changes: the
+            target decides every token.
+        quantize_target: keep a GGUF target's 4-bit weights 4-bit (CPU, bf16 activations): "int4" repacks
+            its Q4_K tensors unchanged for torch's int4 kernel and requantizes the rest (Q6_K, the LM head) to
+            int4; "int4+int8" makes the rest int8 (closer to the file, slower). Needs a GGUF target (a
+            registered pair, or a `.gguf` file) and bf16 (`dtype="auto"` picks it).
+            See [`modeling_pacer.quantization.quantize_from_gguf`].
         exact: make the target's verification forward bitwise equal, row for row, to single-token steps
             ([`modeling_pacer.make_exact`]), so greedy speculative decoding reproduces the target's own
             output exactly; the target alone runs the same function. Not with `load_in_8bit_target`.
@@ -181,12 +199,16 @@ def load_pair(
         WeightsNotInstalledError: a registered pair's weights are missing; the message names the command.
     """
     spec = resolve_pair(name_or_target, draft)
+    quantize_draft = _check_draft_quantization(quantize_draft)
+    if quantize_target is not None:
+        _check_target_quantization(quantize_target, spec.target, dtype, load_in_8bit_target, device_map)
+        dtype = torch.bfloat16
     dtype = resolve_dtype(dtype, device_map)
     if draft_dtype is None:
-        draft_dtype = torch.float32 if quantize_draft else dtype
+        draft_dtype = {"int8": torch.float32, "int4": torch.bfloat16}.get(quantize_draft, dtype)
     draft_dtype = resolve_dtype(draft_dtype, device_map)
-    if quantize_draft and draft_dtype != torch.float32:
-        raise ValueError("quantize_draft needs an fp32 draft (dynamic int8 quantizes fp32 Linear weights)")
+    if quantize_draft == "int8" and draft_dtype != torch.float32:
+        raise ValueError("quantize_draft='int8' needs an fp32 draft (dynamic int8 quantizes fp32 Linear weights)")
     if exact and load_in_8bit_target:
         raise ValueError("exact=True makes nn.Linear layers row-invariant; an 8-bit bitsandbytes target has none: "
                          "pass exact=False (and check its outputs: its kernels' row invariance is not tested)")
@@ -199,6 +221,10 @@ def load_pair(
     t0 = time.perf_counter()
     # models first: on a registry pair this also assembles + converts on first use, which the tokenizer reuses
     target = load_model(spec.target, dtype=dtype, **common, **target_kwargs)
+    if quantize_target is not None:
+        from ..quantization import quantize_from_gguf
+
+        quantize_from_gguf(target, _gguf_file(spec.target, pacer_cache, spec.name), other=TARGET_QUANTIZATIONS[quantize_target])
     if exact:
         from ..exact_attention import make_exact
 
@@ -208,19 +234,68 @@ def load_pair(
     draft_model = load_model(spec.draft, dtype=draft_dtype, **common, **kwargs)
     if quantize_draft:
         if any(p.device.type != "cpu" for p in draft_model.parameters()):
-            raise ValueError("quantize_draft runs on CPU only (torch dynamic int8); the draft was placed elsewhere")
-        draft_model = quantize_dynamic_int8(draft_model)
+            raise ValueError("quantize_draft runs on CPU only (torch's int8/int4 kernels); the draft was placed elsewhere")
+        if quantize_draft == "int8":
+            draft_model = quantize_dynamic_int8(draft_model)
+        else:
+            from ..quantization import quantize_linears
+
+            draft_model = quantize_linears(draft_model, "int4")
     seconds["draft"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     tokenizer = load_tokenizer(spec.target, pacer_cache, pair_name=spec.name)
     seconds["tokenizer"] = time.perf_counter() - t0
-    return LoadedPair(target, draft_model, tokenizer, spec.name, spec.target, spec.draft, seconds, dtype, exact)
+    return LoadedPair(target, draft_model, tokenizer, spec.name, spec.target, spec.draft, seconds, dtype, exact,
+                      quantize_target)
+
+
+def _check_draft_quantization(quantize_draft) -> str | None:
+    """`quantize_draft` as one of DRAFT_QUANTIZATIONS or None (True means "int8", as before "int4" existed)."""
+    if quantize_draft in (None, False, ""):
+        return None
+    if quantize_draft is True:
+        return "int8"
+    if quantize_draft not in DRAFT_QUANTIZATIONS:
+        raise ValueError(f"quantize_draft must be True/False or one of {DRAFT_QUANTIZATIONS}, got {quantize_draft!r}")
+    return quantize_draft
+
+
+def _check_target_quantization(quantize_target, source: ModelSource, dtype, load_in_8bit_target, device_map) -> None:
+    """Clear errors, before anything loads, for a target quantization this target or setting cannot have."""
+    from ..quantization import int4_kernel_available
+
+    if quantize_target not in TARGET_QUANTIZATIONS:
+        raise ValueError(f"quantize_target must be one of {sorted(TARGET_QUANTIZATIONS)} or None, got {quantize_target!r}")
+    if source.parts is None and source.gguf_file is None:
+        raise ValueError(f"quantize_target={quantize_target!r} keeps a GGUF file's 4-bit weights; the target "
+                         f"{source.describe()} is not a GGUF file (pass a .gguf target or a registered pair)")
+    if dtype not in ("auto", torch.bfloat16, "bfloat16", "bf16"):
+        raise ValueError(f"quantize_target={quantize_target!r} runs the target in bfloat16 (the int4 kernel's fast "
+                         f"path); dtype={dtype!r} cannot be combined with it")
+    if load_in_8bit_target:
+        raise ValueError("quantize_target and load_in_8bit_target are two different quantizations: choose one")
+    if device_map not in (None, "cpu"):
+        raise ValueError("quantize_target uses torch's CPU kernels: load the pair without device_map")
+    if not int4_kernel_available():
+        raise ValueError(f"quantize_target needs torch's CPU int4 kernels, which torch {torch.__version__} lacks")
+
+
+def _gguf_file(source: ModelSource, pacer_cache, pair_name: str):
+    """The GGUF file a target was loaded from (a registered pair's assembled file, or the user's .gguf)."""
+    if source.parts is not None:
+        from .gguf import ensure_gguf
+
+        return ensure_gguf(source.parts, pacer_cache, pair_name=pair_name)
+    from huggingface_hub import hf_hub_download
+
+    local = os.path.join(source.path, source.gguf_file)
+    return local if os.path.isfile(local) else hf_hub_download(source.path, source.gguf_file)
 
 
 @dataclass
 class PairArguments:
     """The models, chosen as in every pacer command (`--pair`, `--target`, `--draft`, `--quantize-draft`,
-    `--dtype`, `--no-exact`)."""
+    `--quantize-target`, `--dtype`, `--no-exact`)."""
 
     pair: str | None = field(
         default=None, metadata={"help": f"a registered pair (default: {DEFAULT_PAIR}, offline from PyPI)"},
@@ -229,10 +304,18 @@ class PairArguments:
         default=None, metadata={"help": "target repo id, folder or .gguf (with --draft), instead of --pair"},
     )
     draft: str | None = field(default=None, metadata={"help": "draft repo id, folder or .gguf (replaces the pair's draft)"})
-    quantize_draft: bool = field(
-        default=False,
-        metadata={"help": "dynamic-int8 draft: cheaper drafting, still lossless (only the target's numerics matter); "
-                          "a head is trained on (and recorded with) the draft it will serve"},
+    quantize_draft: str | None = field(
+        default=None,
+        metadata={"help": "quantized draft: cheaper drafting, still lossless (only the target's numerics matter); "
+                          "--quantize-draft alone is dynamic int8, --quantize-draft int4 is 4-bit weights with "
+                          "bf16 activations; a head is trained on (and recorded with) the draft it will serve",
+                  "choices": DRAFT_QUANTIZATIONS, "nargs": "?", "const": "int8"},
+    )
+    quantize_target: str | None = field(
+        default=None,
+        metadata={"help": "keep a GGUF target's 4-bit weights 4-bit (torch's CPU int4 kernel, bf16): int4 (the "
+                          "rest, Q6_K and the LM head, requantized to int4) or int4+int8 (the rest int8)",
+                  "choices": tuple(TARGET_QUANTIZATIONS)},
     )
 
     dtype: str = field(
@@ -245,6 +328,11 @@ class PairArguments:
     )
 
     def __post_init__(self):
+        try:  # a recipe's `quantize_draft: true` is int8, the flag's meaning before int4 drafts existed
+            self.quantize_draft = _check_draft_quantization(self.quantize_draft)
+        except ValueError:
+            raise ValueError(f"--quantize-draft must be one of {DRAFT_QUANTIZATIONS} (a recipe's true means int8), "
+                             f"got {self.quantize_draft!r}") from None
         try:
             resolve_dtype(self.dtype)
         except ValueError as error:
@@ -256,6 +344,12 @@ class PairArguments:
             resolve_pair(self.target or self.pair or DEFAULT_PAIR, self.draft)
         except (KeyError, ValueError) as error:
             raise ValueError(f"{'--target' if self.target else '--pair'}: {error}") from None
+        if self.quantize_target:
+            try:
+                _check_target_quantization(self.quantize_target, resolve_pair(self.target or self.pair or DEFAULT_PAIR,
+                                                                              self.draft).target, self.dtype, False, None)
+            except ValueError as error:
+                raise ValueError(f"--quantize-target: {error}") from None
 
     @property
     def is_default(self) -> bool:
@@ -264,22 +358,23 @@ class PairArguments:
 
 
 def add_pair_arguments(parser: argparse.ArgumentParser) -> None:
-    """`--pair`, `--target`, `--draft`, `--quantize-draft`, `--dtype`, `--no-exact` on an argparse parser,
-    from [`PairArguments`]."""
+    """`--pair`, `--target`, `--draft`, `--quantize-draft`, `--quantize-target`, `--dtype`, `--no-exact` on an
+    argparse parser, from [`PairArguments`]."""
     for f in dataclasses.fields(PairArguments):
         flag = "--" + f.name.replace("_", "-")
+        extra = {k: f.metadata[k] for k in ("choices", "nargs", "const") if k in f.metadata}
         if f.type in (bool, "bool") and f.default is True:
             parser.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_false", help=f.metadata["help"])
         elif f.type in (bool, "bool"):
             parser.add_argument(flag, action="store_true", help=f.metadata["help"])
         else:
-            parser.add_argument(flag, default=f.default, help=f.metadata["help"])
+            parser.add_argument(flag, default=f.default, help=f.metadata["help"], **extra)
 
 
 def pair_from_args(args, **kwargs) -> LoadedPair:
     """`load_pair` from the arguments that `add_pair_arguments` defines."""
     return load_pair(args.target or args.pair or DEFAULT_PAIR, args.draft, quantize_draft=args.quantize_draft,
-                     dtype=args.dtype, exact=args.exact, **kwargs)
+                     quantize_target=args.quantize_target, dtype=args.dtype, exact=args.exact, **kwargs)
 
 
 def _bnb_8bit_config():

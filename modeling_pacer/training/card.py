@@ -17,8 +17,12 @@ def bench_setting(bench: dict) -> str:
     """How a pacer-bench run ran the target (dtype, exact verification), from its meta or its parts'
     (a merged report). Runs written before pacer recorded it loaded the target in float32, not exact."""
     metas = bench["meta"].get("parts") or [bench["meta"]]
-    settings = {f"{m.get('dtype', 'float32')}{' exact' if m.get('exact') else ' (verification not exact)'}" for m in metas}
-    draft = "dynamic-int8 draft" if all(m.get("quantize_draft") for m in metas) else "draft"
+    settings = {f"{m.get('dtype', 'float32')}{' exact' if m.get('exact') else ' (verification not exact)'}"
+                + (f", {m['quantize_target']} weights" if m.get("quantize_target") else "") for m in metas}
+    kinds = {m.get("quantize_draft") for m in metas}
+    # True: runs written before int4 drafts existed, whose flag meant dynamic int8
+    kind = kinds.pop() if len(kinds) == 1 else None
+    draft = {True: "dynamic-int8 draft", "int8": "dynamic-int8 draft", "int4": "int4 draft"}.get(kind, "draft")
     return f"target {' / '.join(sorted(settings))}, {draft}"
 
 

@@ -40,6 +40,7 @@ def trace_settings(pair, max_new_tokens: int, max_draft: int) -> dict:
     (the target's dtype and attention decide its greedy output, hence the labels)."""
     return dict(pair=pair.name, target_dtype=str(pair.target.dtype).removeprefix("torch."),
                 target_attention=pair.target.config._attn_implementation,
+                target_quantization=getattr(pair, "quantize_target", None),
                 max_new_tokens=max_new_tokens, max_draft=max_draft)
 
 
@@ -255,7 +256,8 @@ def train(args: RunArguments, pair, prompts: list[tuple[str, torch.Tensor]], dat
                    f"{script.max_new_tokens} new tokens at most per prompt, drafts of up to {script.max_draft} tokens "
                    f"from every output position (teacher forcing).")
     draft_name = describe_source(pair.draft_source) + (
-        " with dynamic-int8 Linear layers (as recorded)" if args.pair.quantize_draft else "")
+        f" with {'dynamic-int8' if args.pair.quantize_draft == 'int8' else 'int4'} Linear layers (as recorded)"
+        if args.pair.quantize_draft else "")
     fields = card_fields(
         head, pair_name=pair.name, target=describe_source(pair.target_source), draft=draft_name,
         base_model=script.base_model, repo_id=script.push_to_hub_repo, metrics=metrics, tuned=best, ablations=ablations,
