@@ -87,6 +87,66 @@ def measure_costs(target, draft, head, input_ids: torch.Tensor, max_tokens: int,
     return CostModel(costs, _median_seconds(draft_step, repeats), head_call)
 
 
+def _is_linear(module) -> bool:
+    # nn.Linear, pacer's Int4Linear/Int8Linear, torch's dynamic-int8 Linear, bitsandbytes' Linear8bitLt ...
+    return "Linear" in type(module).__name__
+
+
+def fixed_prefix(model, tokens: int = 128) -> torch.Tensor:
+    """The `(1, tokens)` prefix every timing here runs after: fixed ids (only time is measured), so curves
+    from different runs are comparable."""
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    return (torch.arange(tokens) * 7919 % vocab).view(1, -1).to(next(model.parameters()).device)
+
+
+def time_split(model, input_ids: torch.Tensor, tokens: int = 1, repeats: int = 5) -> dict[str, float]:
+    """Where one forward of `tokens` tokens after a cached `input_ids` prefix spends its wall-clock time,
+    in seconds (median over `repeats`): "linear" (every linear layer's forward, Python included),
+    "attention" (the attention modules' own time, their projections excluded), "other" (norms, MLP
+    activations, embeddings, rotary, the model's Python glue) and "total". Measured with forward hooks,
+    whose own cost (a few microseconds per module) lands in the groups."""
+    spent = {"linear": 0.0, "attention": 0.0}
+    starts, handles, in_attention = {}, [], set()  # in_attention: ids of the attention modules' projections
+
+    def group(module):
+        if _is_linear(module):
+            return "linear"
+        return "attention" if type(module).__name__.endswith("Attention") else None
+
+    def pre(module, args):
+        starts[id(module)] = time.perf_counter()
+
+    def post(module, args, output):
+        seconds = time.perf_counter() - starts.pop(id(module))
+        spent[group(module)] += seconds
+        if id(module) in in_attention:
+            spent["attention"] -= seconds  # the projections count as linear layers, not as attention
+
+    for module in model.modules():
+        if group(module) == "attention":
+            in_attention.update(id(child) for child in module.modules() if child is not module and _is_linear(child))
+        if group(module):
+            handles.append(module.register_forward_pre_hook(pre))
+            handles.append(module.register_forward_hook(post))
+    cache = DynamicCache(config=model.config)
+    model_forward(model, input_ids, cache, 1)
+    prefix = input_ids.shape[1]
+    samples = []
+    try:
+        for _ in range(repeats + 1):  # the first one warms up
+            spent.update(linear=0.0, attention=0.0)
+            t0 = time.perf_counter()
+            model_forward(model, input_ids[:, -1:].repeat(1, tokens), cache, tokens)
+            total = time.perf_counter() - t0
+            crop_cache(cache, prefix)
+            samples.append(dict(spent, total=total, other=total - spent["linear"] - spent["attention"]))
+    finally:
+        for handle in handles:
+            handle.remove()
+    samples = samples[1:]
+    return {key: statistics.median(s[key] for s in samples) for key in ("linear", "attention", "other", "total")}
+
+
 # --------------------------------------------------------------------------------------------------
 # measured once per host, model and dtype
 # --------------------------------------------------------------------------------------------------
@@ -159,9 +219,7 @@ def host_costs(target, draft, head=None, *, max_tokens: int = 9, prefix_tokens: 
                 return CostModel.from_dict(saved["costs"])
         except (ValueError, KeyError, TypeError):
             pass  # unreadable or from another version: measure again
-    vocab = target.config.get_text_config(decoder=True).vocab_size
-    device = next(target.parameters()).device
-    prefix = (torch.arange(prefix_tokens) * 7919 % vocab).view(1, -1).to(device)  # any fixed ids: time only
+    prefix = fixed_prefix(target, prefix_tokens)
     costs = measure_costs(target, draft, head, prefix, max_tokens, repeats)
     path.parent.mkdir(parents=True, exist_ok=True)
     record = dict(key_fields, measured_at=time.time(), costs=costs.to_dict())

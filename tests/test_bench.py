@@ -314,6 +314,9 @@ def test_trace_files_round_trip_and_a_pickle_runs_nothing(setup, tmp_path):
     (["merge", "missing.json"], "no such file"),
     (["--replay", "t.safetensors"], "pacer-bench replay"),
     (["--merge", "a.json"], "pacer-bench merge"),
+    (["agreement"], "pass --quantize-target"),
+    (["agreement", "--quantize-target", "int3"], "invalid choice"),
+    (["costs", "--dtypes", "int3"], "--dtypes"),
 ])
 def test_bad_arguments_fail_before_any_model_loads(argv, message, monkeypatch, capsys):
     """Every argument is checked first: a clear usage error (exit 2), and the pair is never loaded."""
@@ -324,3 +327,24 @@ def test_bad_arguments_fail_before_any_model_loads(argv, message, monkeypatch, c
         cli.main(argv)
     assert exit_info.value.code == 2
     assert re.search(message, capsys.readouterr().err), message
+
+
+def test_greedy_agreement_scores_a_models_text_by_another():
+    """The quantized model's greedy text, read by the reference in one forward: a model against itself
+    agrees everywhere; against another model the prefix ends where the two greedy outputs first differ."""
+    from modeling_pacer.benchmarks.agreement import greedy_agreement, summarize
+    from conftest import make_model
+
+    a, b = make_model("qwen2", seed=1), make_model("qwen2", seed=2)
+    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))
+    same = greedy_agreement(a, a, ids, 12)
+    assert same["tokens"] == 12 and same["agree_prefix"] == 12 and same["agreement"] == 1.0
+    other = greedy_agreement(b, a, ids, 12)
+    own_a = a.generate(ids, do_sample=False, max_new_tokens=12)[0, 6:]
+    own_b = b.generate(ids, do_sample=False, max_new_tokens=12)[0, 6:]
+    first_difference = next((i for i in range(12) if own_a[i] != own_b[i]), 12)
+    assert other["agree_prefix"] == first_difference < 12 and other["agreement"] < 1.0
+    assert other["reference_nll"] > 0
+    rows = [dict(dataset="x", **same), dict(dataset="y", **other)]
+    table = {r["dataset"]: r for r in summarize(rows)}
+    assert table["all"]["tokens"] == 24 and table["all"]["agreement"] == pytest.approx((1 + other["agreement"]) / 2)

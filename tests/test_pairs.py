@@ -401,6 +401,11 @@ def test_bench_costs_command_measures_each_dtype_once_and_plots(tiny_folder, tmp
     assert all(sorted(int(n) for n in c["target_forward"]) == [1, 2, 3] for c in saved["curves"].values())
     assert (tmp_path / "out" / "costs.png").is_file() and "| float32 exact |" in (tmp_path / "out" / "costs.md").read_text()
     assert main(argv) == 0 and len(calls) == 4  # this host's curves, read back
+    assert main(argv + ["--split"]) == 0 and len(calls) == 4  # the split is measured, the curves still read back
+    saved = json.loads((tmp_path / "out" / "costs.json").read_text())
+    split = saved["splits"]["bfloat16 exact"]["target"]
+    assert split["linear"] > 0 and split["attention"] > 0 and split["total"] >= split["linear"] + split["attention"]
+    assert "Where a one-token step's time goes" in (tmp_path / "out" / "costs.md").read_text()
     with pytest.raises(SystemExit) as stopped:
         main(["costs", "--dtypes", "int3", "--out", str(tmp_path / "bad")])
     assert stopped.value.code == 2 and "--dtypes" in capsys.readouterr().err

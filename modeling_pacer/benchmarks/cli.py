@@ -6,6 +6,7 @@
     pacer-bench replay traces.safetensors --head path/to/head  # evaluate stopping rules without the models
     pacer-bench merge a/results.json b/results.json --out all  # one report from runs split by dataset
     pacer-bench costs --dtypes bfloat16 float32 --out costs    # this machine's cost curves, measured and plotted
+    pacer-bench agreement --quantize-target int4 --n 10        # a quantized target's greedy agreement with bf16
 
 Every argument is checked before a model is loaded.
 """
@@ -24,7 +25,7 @@ from modeling_pacer.prompts import DATASETS
 from modeling_pacer.resources import ensure_writable_folder
 
 QUICK_METHODS = ["target", "hf-assisted", "hf-constant-2", "fixed-2", "heuristic", "svip", "specdec++", "pacer"]
-COMMANDS = ("run", "replay", "merge", "costs")
+COMMANDS = ("run", "replay", "merge", "costs", "agreement")
 
 
 def _positive(text: str) -> int:
@@ -49,7 +50,7 @@ def _add_method_choice(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pacer-bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="command", required=True, metavar="{run,replay,merge,costs}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
 
     run = sub.add_parser("run", help="run every method on real prompts, interleaved (the default command)")
     add_pair_arguments(run)
@@ -86,8 +87,20 @@ def build_parser() -> argparse.ArgumentParser:
     costs.add_argument("--compare-exact", action="store_true",
                        help="measure every dtype with and without exact verification (the cost of invariance)")
     costs.add_argument("--refresh", action="store_true", help="measure again even where this host's curve is cached")
+    costs.add_argument("--split", action="store_true",
+                       help="also split a one-token step's time (target and draft) between linear layers, attention "
+                            "and the rest (norms, activations, Python), measured now (not cached)")
     costs.add_argument("--threads", type=_positive, help="torch CPU threads (default: torch's choice)")
     _add_output(costs, "costs-out")
+
+    agreement = sub.add_parser("agreement", help="a quantized target (--quantize-target) against the same model in "
+                               "bf16: greedy agreement and perplexity on the benchmark prompts")
+    add_pair_arguments(agreement)
+    agreement.add_argument("--datasets", nargs="+", choices=DATASETS, default=list(DATASETS))
+    agreement.add_argument("--n", type=_positive, default=10, help="prompts per dataset (the first n)")
+    agreement.add_argument("--max-new-tokens", type=_positive, default=96)
+    agreement.add_argument("--threads", type=_positive, help="torch CPU threads (default: torch's choice)")
+    _add_output(agreement, "agreement-out")
     return p
 
 
@@ -111,7 +124,10 @@ def validate(args) -> None:
         chosen = [m.name for m in select_methods(args.methods, all_methods(tuple(args.gammas)))]  # unknown: an error
         if args.command == "run" and "target" not in chosen:
             raise ValueError("--methods must include 'target': every speedup is relative to the target alone.")
-    if args.command in ("run", "costs"):
+    if args.command == "agreement" and not args.quantize_target:
+        raise ValueError("agreement compares a quantized target with its bf16 form: pass --quantize-target int4 "
+                         "(or int4+int8)")
+    if args.command in ("run", "costs", "agreement"):
         # the names, checked; nothing loads
         PairArguments(args.pair, args.target, args.draft, args.quantize_draft, args.quantize_target, args.dtype,
                       args.exact)
@@ -259,12 +275,13 @@ def run_costs(args) -> dict:
     from modeling_pacer.pairs import pair_from_args
     from modeling_pacer.pairs.loading import TARGET_QUANTIZATIONS
 
-    from ..costs import describe_host, host_costs
+    from ..costs import describe_host, fixed_prefix, host_costs, time_split
 
     head = _setup(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     curves = {}
+    splits = {}
     quantize_target = args.quantize_target  # for the settings that are plain dtypes
     for dtype, exact in [(d, e) for d in args.dtypes for e in ((True, False) if args.compare_exact else (args.exact,))]:
         quantized = dtype in TARGET_QUANTIZATIONS  # int4 / int4+int8: a bf16 target with 4-bit weights
@@ -274,13 +291,16 @@ def run_costs(args) -> dict:
         label = pair.setting
         costs = host_costs(pair.target, pair.draft, head, max_tokens=args.max_tokens, refresh=args.refresh)
         curves[label] = costs.to_dict()
+        if args.split:
+            splits[label] = {role: time_split(model, fixed_prefix(model)) for role, model in
+                             (("target", pair.target), ("draft", pair.draft))}
         print(f"pacer-bench costs: {label}: target " + ", ".join(
             f"{n}: {1000 * t:.0f}" for n, t in costs.target_forward.items()) + f" ms; draft {1000 * costs.draft_forward:.0f} ms",
             file=sys.stderr)
         del pair
     meta = dict(command="pacer-bench " + " ".join(shlex.quote(a) for a in sys.argv[1:]), host=describe_host(),
                 head=args.head, quantize_draft=args.quantize_draft)
-    (out / "costs.json").write_text(json.dumps(dict(curves=curves, meta=meta), indent=1, default=str))
+    (out / "costs.json").write_text(json.dumps(dict(curves=curves, splits=splits, meta=meta), indent=1, default=str))
     tokens = range(1, args.max_tokens + 1)
     lines = [f"Command: `{meta['command']}` (host CPU: {meta['host']['cpu']}, {meta['host']['threads']} threads)", "",
              "Milliseconds per forward after a cached 128-token prefix (median of 5):", "",
@@ -289,6 +309,12 @@ def run_costs(args) -> dict:
     for label, c in curves.items():
         lines.append(f"| {label} | " + " | ".join(f"{1000 * c['target_forward'][n]:.0f}" for n in tokens)
                      + f" | {1000 * c['draft_forward']:.0f} | {1000 * c['head_call']:.1f} |")
+    if splits:
+        lines += ["", "Where a one-token step's time goes, ms (median of 5; linear layers, attention without its "
+                  "projections, the rest: norms, activations, embeddings, Python):", "",
+                  "| target setting | model | linear | attention | rest | total |", "|---|---|---|---|---|---|"]
+        lines += [f"| {label} | {role} | " + " | ".join(f"{1000 * t[k]:.1f}" for k in ("linear", "attention", "other", "total"))
+                  + " |" for label, roles in splits.items() for role, t in roles.items()]
     (out / "costs.md").write_text("\n".join(lines) + "\n")
     files = [out / "costs.json", out / "costs.md"]
     try:
@@ -314,6 +340,47 @@ def run_costs(args) -> dict:
     print("\n".join(lines))
     print("pacer-bench: wrote " + ", ".join(str(f) for f in files))
     return dict(curves=curves, files=files)
+
+
+def run_agreement(args) -> dict:
+    """The quantized target's greedy output on each prompt, read by the bf16 target: agreement.json/.md."""
+    from tqdm.auto import tqdm
+
+    from modeling_pacer.exact_attention import make_exact
+    from modeling_pacer.pairs import DEFAULT_PAIR, pair_from_args
+    from modeling_pacer.pairs.loading import load_model, resolve_pair
+
+    from .agreement import greedy_agreement, summarize
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    pair = pair_from_args(args)
+    spec = resolve_pair(args.target or args.pair or DEFAULT_PAIR, args.draft)
+    reference = load_model(spec.target, dtype=torch.bfloat16, pair_name=spec.name)
+    if args.exact:
+        make_exact(reference)
+    rows = []
+    for dataset, prompt_id, input_ids in tqdm(_prompts(args, pair.tokenizer), desc="pacer-bench agreement"):
+        rows.append(dict(dataset=dataset, prompt_id=prompt_id,
+                         **greedy_agreement(reference, pair.target, input_ids, args.max_new_tokens)))
+    summary = summarize(rows)
+    meta = dict(command="pacer-bench " + " ".join(shlex.quote(a) for a in sys.argv[1:]), pair=pair.name,
+                model=pair.setting, reference="bfloat16" + (" exact" if args.exact else ""),
+                max_new_tokens=args.max_new_tokens, threads=torch.get_num_threads(), torch=torch.__version__)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    lines = [f"Command: `{meta['command']}`", "",
+             f"The target with {pair.quantize_target} weights ({pair.setting}) writes greedily; the same target in "
+             f"{meta['reference']} reads its text (modeling_pacer/benchmarks/agreement.py).", "",
+             "| dataset | prompts | tokens | agree prefix (mean tokens) | next-token agreement | bf16 perplexity of the text |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {r['dataset']} | {r['prompts']} | {r['tokens']} | {r['agree_prefix']:.1f} | {r['agreement']:.3f} | "
+              f"{r['reference_perplexity']:.3f} |" for r in summary]
+    (out / "agreement.json").write_text(json.dumps(dict(rows=rows, summary=summary, meta=meta), indent=1))
+    (out / "agreement.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(f"pacer-bench: wrote {out / 'agreement.json'}, {out / 'agreement.md'}")
+    return dict(summary=summary)
 
 
 def run_merge(args) -> dict:
@@ -359,7 +426,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    result = {"run": run, "replay": run_replay, "merge": run_merge, "costs": run_costs}[args.command](args)
+    result = {"run": run, "replay": run_replay, "merge": run_merge, "costs": run_costs,
+              "agreement": run_agreement}[args.command](args)
     lost = [r for r in result.get("summary", []) if r.get("dataset") == "all" and r.get("mismatches")]
     if lost:  # the report is written, but a method that changed the target's output is a failure
         print(f"pacer-bench: NOT LOSSLESS: {[r['method'] for r in lost]} changed the target's output", file=sys.stderr)

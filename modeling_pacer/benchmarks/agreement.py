@@ -1,0 +1,54 @@
+"""How far a quantized target is from the model it approximates, on real prompts.
+
+Speculative decoding is lossless against the target it loaded; whether that target (4-bit weights, say)
+still says what the bf16 model says is a separate question, measured here. For each prompt the quantized
+model writes its greedy continuation; the reference model reads the same tokens in one forward, and at
+every position we ask whether it would have chosen the same next token:
+
+    agreement     = mean over positions of [argmax reference(prefix) == token the quantized model chose]
+    agree_prefix  = positions before the first disagreement: exactly how long the two models' own greedy
+                    outputs stay identical (until then both read the same prefix)
+    reference_nll = mean -log p_reference(token): the reference's perplexity of the quantized model's text
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+@torch.no_grad()
+def greedy_agreement(reference, model, input_ids: torch.Tensor, max_new_tokens: int) -> dict:
+    """`model`'s greedy continuation of `input_ids` (1, L), scored by `reference` teacher-forced (see the
+    module docstring). Both must be causal LMs over the same tokenizer."""
+    out = model.generate(input_ids, do_sample=False, max_new_tokens=max_new_tokens)
+    start = input_ids.shape[1]
+    generated = out[0, start:]
+    n = generated.numel()
+    if n == 0:
+        return dict(tokens=0, agree_prefix=0, agreement=float("nan"), reference_nll=float("nan"))
+    # logits of the positions that predicted each generated token: the last n+1 minus the final one
+    logits = reference(out, logits_to_keep=n + 1).logits[0, :-1].float()
+    same = logits.argmax(-1) == generated
+    mismatch = (~same).nonzero()
+    nll = -torch.log_softmax(logits, -1).gather(-1, generated[:, None]).squeeze(-1)
+    return dict(tokens=n, agree_prefix=int(mismatch[0, 0]) if mismatch.numel() else n,
+                agreement=same.float().mean().item(), reference_nll=nll.mean().item())
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per dataset and over all: prompts, tokens, mean agree_prefix, token-weighted agreement and perplexity."""
+    import math
+
+    out = []
+    for dataset in sorted({r["dataset"] for r in rows}) + ["all"]:
+        part = [r for r in rows if dataset in ("all", r["dataset"]) and r["tokens"]]
+        tokens = sum(r["tokens"] for r in part)
+        if not tokens:
+            continue
+        out.append(dict(
+            dataset=dataset, prompts=len(part), tokens=tokens,
+            agree_prefix=sum(r["agree_prefix"] for r in part) / len(part),
+            agreement=sum(r["agreement"] * r["tokens"] for r in part) / tokens,
+            reference_perplexity=math.exp(sum(r["reference_nll"] * r["tokens"] for r in part) / tokens),
+        ))
+    return out
