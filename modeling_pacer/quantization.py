@@ -198,7 +198,6 @@ def quantize_from_gguf(model: nn.Module, gguf_file: str | os.PathLike, *, other:
     reader = GGUFReader(str(gguf_file))
     gguf_to_hf = get_gguf_hf_weights_map(model, TensorProcessor())
     counts: dict[str, int] = {}
-    q4k = set()
     for tensor in reader.tensors:
         hf_name = gguf_to_hf.get(tensor.name)
         if tensor.tensor_type != GGMLQuantizationType.Q4_K or not hf_name or not hf_name.endswith(".weight"):
@@ -222,9 +221,8 @@ def quantize_from_gguf(model: nn.Module, gguf_file: str | os.PathLike, *, other:
                     "is not handled (its loader may permute it); load the target without 4-bit weights"
                 )
         _replace(model, name, Int4Linear(codes, scales, zeros, linear.bias))
-        q4k.add(name)
         counts["int4 (gguf Q4_K)"] = counts.get("int4 (gguf Q4_K)", 0) + 1
-    if not q4k:
+    if not counts:
         raise ValueError(f"{gguf_file} has no Q4_K linear weights for this model: nothing to keep in 4 bits")
     if other != "bfloat16":
         before = sum(isinstance(m, nn.Linear) for m in model.modules())
@@ -232,5 +230,5 @@ def quantize_from_gguf(model: nn.Module, gguf_file: str | os.PathLike, *, other:
         counts[other] = before - sum(isinstance(m, nn.Linear) for m in model.modules())
     left = sum(isinstance(m, nn.Linear) for m in model.modules())
     if left:
-        counts["bfloat16 (as loaded)"] = left
+        counts["kept as loaded"] = left
     return counts
