@@ -107,25 +107,22 @@ def time_split(model, input_ids: torch.Tensor, tokens: int = 1, repeats: int = 5
     whose own cost (a few microseconds per module) lands in the groups."""
     spent = {"linear": 0.0, "attention": 0.0}
     starts, handles, in_attention = {}, [], set()  # in_attention: ids of the attention modules' projections
-
-    def group(module):
-        if _is_linear(module):
-            return "linear"
-        return "attention" if type(module).__name__.endswith("Attention") else None
+    groups = {id(m): "linear" if _is_linear(m) else "attention" for m in model.modules()
+              if _is_linear(m) or type(m).__name__.endswith("Attention")}
 
     def pre(module, args):
         starts[id(module)] = time.perf_counter()
 
     def post(module, args, output):
         seconds = time.perf_counter() - starts.pop(id(module))
-        spent[group(module)] += seconds
+        spent[groups[id(module)]] += seconds
         if id(module) in in_attention:
             spent["attention"] -= seconds  # the projections count as linear layers, not as attention
 
     for module in model.modules():
-        if group(module) == "attention":
+        if groups.get(id(module)) == "attention":
             in_attention.update(id(child) for child in module.modules() if child is not module and _is_linear(child))
-        if group(module):
+        if id(module) in groups:
             handles.append(module.register_forward_pre_hook(pre))
             handles.append(module.register_forward_hook(post))
     cache = DynamicCache(config=model.config)

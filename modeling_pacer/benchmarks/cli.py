@@ -132,9 +132,7 @@ def validate(args) -> None:
         PairArguments(args.pair, args.target, args.draft, args.quantize_draft, args.quantize_target, args.dtype,
                       args.exact)
     if args.command == "costs":
-        from modeling_pacer.pairs.loading import resolve_dtype
-
-        from modeling_pacer.pairs.loading import TARGET_QUANTIZATIONS
+        from modeling_pacer.pairs.loading import TARGET_QUANTIZATIONS, resolve_dtype
 
         for dtype in args.dtypes:
             try:
@@ -347,16 +345,15 @@ def run_agreement(args) -> dict:
     from tqdm.auto import tqdm
 
     from modeling_pacer.exact_attention import make_exact
-    from modeling_pacer.pairs import DEFAULT_PAIR, pair_from_args
-    from modeling_pacer.pairs.loading import load_model, resolve_pair
+    from modeling_pacer.pairs import pair_from_args
+    from modeling_pacer.pairs.loading import load_model
 
     from .agreement import greedy_agreement, summarize
 
     if args.threads:
         torch.set_num_threads(args.threads)
     pair = pair_from_args(args)
-    spec = resolve_pair(args.target or args.pair or DEFAULT_PAIR, args.draft)
-    reference = load_model(spec.target, dtype=torch.bfloat16, pair_name=spec.name)
+    reference = load_model(pair.target_source, dtype=torch.bfloat16, pair_name=pair.name)
     if args.exact:
         make_exact(reference)
     rows = []

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..pairs.gguf import ensure_gguf, part_paths
+from ..pairs.gguf import part_paths, source_gguf
 from ..pairs.registry import DEFAULT_PAIR, ModelSource, WeightsNotInstalledError, gguf_path
 
 INSTALL = 'pip install -e ".[llamacpp]"'
@@ -46,20 +46,10 @@ def _not_gguf(source: ModelSource) -> ValueError:
     )
 
 
-def _local_gguf(source: ModelSource) -> Path | None:
-    """The local `.gguf` file a source names, if it exists."""
-    if source.gguf_file is None:
-        return None
-    path = Path(source.path).expanduser() / source.gguf_file
-    return path if path.is_file() else None
-
-
 def target_gguf(source: ModelSource, pacer_cache=None, *, pair_name: str = DEFAULT_PAIR) -> Path:
     """The GGUF file the target was loaded from: a registered pair's assembled file in the pacer cache
     (assembled from the installed parts if it is not there), or a local `.gguf` file."""
-    if source.parts is not None:
-        return ensure_gguf(source.parts, pacer_cache, pair_name=pair_name)
-    path = _local_gguf(source)
+    path = source_gguf(source, pacer_cache, pair_name=pair_name)
     if path is None:
         raise _not_gguf(source)
     return path
@@ -75,7 +65,7 @@ def check_target(source: ModelSource, pacer_cache=None, *, pair_name: str = DEFA
         except WeightsNotInstalledError as error:
             raise ValueError(str(error)) from None
         return
-    if _local_gguf(source) is None:
+    if source_gguf(source) is None:  # no parts here: nothing is assembled
         raise _not_gguf(source)
 
 

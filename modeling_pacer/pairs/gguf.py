@@ -18,6 +18,7 @@ from .registry import (
     DEFAULT_PAIR,
     ChecksumError,
     GGUFParts,
+    ModelSource,
     WeightsNotInstalledError,
     converted_path,
     gguf_path,
@@ -120,6 +121,17 @@ def ensure_gguf(parts: GGUFParts, pacer_cache=None, *, pair_name: str = DEFAULT_
         return dest
     assemble(part_paths(parts, pair_name=pair_name), dest, parts.sha256)
     return dest
+
+
+def source_gguf(source: ModelSource, pacer_cache=None, *, pair_name: str = DEFAULT_PAIR) -> Path | None:
+    """The local GGUF file a model was loaded from: a registered pair's assembled file (assembled from the
+    installed parts if it is not there yet), or the `.gguf` file a source names, if it is on disk; else None."""
+    if source.parts is not None:
+        return ensure_gguf(source.parts, pacer_cache, pair_name=pair_name)
+    if source.gguf_file is None:
+        return None
+    path = Path(source.path).expanduser() / source.gguf_file
+    return path if path.is_file() else None
 
 
 # --------------------------------------------------------------------------------------------------

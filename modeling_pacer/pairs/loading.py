@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .gguf import ensure_converted
+from .gguf import ensure_converted, source_gguf
 from .registry import DEFAULT_PAIR, PAIRS, ModelSource, PairSpec
 
 # --------------------------------------------------------------------------------------------------
@@ -81,8 +81,8 @@ def model_location(source: ModelSource, pacer_cache=None, *, pair_name: str = DE
 # the target's weight-only quantizations: the GGUF's Q4_K tensors stay 4-bit, the rest (Q6_K, the LM head)
 # become int4 (fastest) or int8 (closer to the file); see modeling_pacer.quantization
 TARGET_QUANTIZATIONS = {"int4": "int4", "int4+int8": "int8"}
-# the draft's: dynamic int8 (float32 activations), or int4 weights with bf16 activations
-DRAFT_QUANTIZATIONS = ("int8", "int4")
+# the draft's, with how reports name them: dynamic int8 (float32 activations), or int4 weights (bf16 activations)
+DRAFT_QUANTIZATIONS = {"int8": "dynamic-int8", "int4": "int4"}
 
 
 def quantize_dynamic_int8(model: torch.nn.Module) -> torch.nn.Module:
@@ -224,7 +224,8 @@ def load_pair(
     if quantize_target is not None:
         from ..quantization import quantize_from_gguf
 
-        quantize_from_gguf(target, _gguf_file(spec.target, pacer_cache, spec.name), other=TARGET_QUANTIZATIONS[quantize_target])
+        gguf_file = source_gguf(spec.target, pacer_cache, pair_name=spec.name) or _hub_gguf(spec.target)
+        quantize_from_gguf(target, gguf_file, other=TARGET_QUANTIZATIONS[quantize_target])
     if exact:
         from ..exact_attention import make_exact
 
@@ -256,7 +257,7 @@ def _check_draft_quantization(quantize_draft) -> str | None:
     if quantize_draft is True:
         return "int8"
     if quantize_draft not in DRAFT_QUANTIZATIONS:
-        raise ValueError(f"quantize_draft must be True/False or one of {DRAFT_QUANTIZATIONS}, got {quantize_draft!r}")
+        raise ValueError(f"quantize_draft must be True/False or one of {tuple(DRAFT_QUANTIZATIONS)}, got {quantize_draft!r}")
     return quantize_draft
 
 
@@ -280,16 +281,11 @@ def _check_target_quantization(quantize_target, source: ModelSource, dtype, load
         raise ValueError(f"quantize_target needs torch's CPU int4 kernels, which torch {torch.__version__} lacks")
 
 
-def _gguf_file(source: ModelSource, pacer_cache, pair_name: str):
-    """The GGUF file a target was loaded from (a registered pair's assembled file, or the user's .gguf)."""
-    if source.parts is not None:
-        from .gguf import ensure_gguf
-
-        return ensure_gguf(source.parts, pacer_cache, pair_name=pair_name)
+def _hub_gguf(source: ModelSource) -> str:
+    """A Hub repo's `.gguf` file, from the Hub cache (where loading the model just put it)."""
     from huggingface_hub import hf_hub_download
 
-    local = os.path.join(source.path, source.gguf_file)
-    return local if os.path.isfile(local) else hf_hub_download(source.path, source.gguf_file)
+    return hf_hub_download(source.path, source.gguf_file)
 
 
 @dataclass
@@ -309,7 +305,7 @@ class PairArguments:
         metadata={"help": "quantized draft: cheaper drafting, still lossless (only the target's numerics matter); "
                           "--quantize-draft alone is dynamic int8, --quantize-draft int4 is 4-bit weights with "
                           "bf16 activations; a head is trained on (and recorded with) the draft it will serve",
-                  "choices": DRAFT_QUANTIZATIONS, "nargs": "?", "const": "int8"},
+                  "choices": tuple(DRAFT_QUANTIZATIONS), "nargs": "?", "const": "int8"},
     )
     quantize_target: str | None = field(
         default=None,
@@ -331,7 +327,7 @@ class PairArguments:
         try:  # a recipe's `quantize_draft: true` is int8, the flag's meaning before int4 drafts existed
             self.quantize_draft = _check_draft_quantization(self.quantize_draft)
         except ValueError:
-            raise ValueError(f"--quantize-draft must be one of {DRAFT_QUANTIZATIONS} (a recipe's true means int8), "
+            raise ValueError(f"--quantize-draft must be one of {tuple(DRAFT_QUANTIZATIONS)} (a recipe's true means int8), "
                              f"got {self.quantize_draft!r}") from None
         try:
             resolve_dtype(self.dtype)
@@ -341,13 +337,12 @@ class PairArguments:
         if self.target and not self.draft and self.target not in PAIRS:
             raise ValueError(f"--target {self.target} needs --draft (the draft model that proposes its tokens).")
         try:
-            resolve_pair(self.target or self.pair or DEFAULT_PAIR, self.draft)
+            spec = resolve_pair(self.target or self.pair or DEFAULT_PAIR, self.draft)
         except (KeyError, ValueError) as error:
             raise ValueError(f"{'--target' if self.target else '--pair'}: {error}") from None
         if self.quantize_target:
             try:
-                _check_target_quantization(self.quantize_target, resolve_pair(self.target or self.pair or DEFAULT_PAIR,
-                                                                              self.draft).target, self.dtype, False, None)
+                _check_target_quantization(self.quantize_target, spec.target, self.dtype, False, None)
             except ValueError as error:
                 raise ValueError(f"--quantize-target: {error}") from None
 

@@ -4,6 +4,8 @@ and the Speed section read from a `pacer-bench` results.json measured with the h
 import json
 from pathlib import Path
 
+from ..pairs.loading import DRAFT_QUANTIZATIONS
+
 
 def describe_source(source) -> str:
     return source.describe() if hasattr(source, "describe") else str(source)
@@ -20,9 +22,9 @@ def bench_setting(bench: dict) -> str:
     settings = {f"{m.get('dtype', 'float32')}{' exact' if m.get('exact') else ' (verification not exact)'}"
                 + (f", {m['quantize_target']} weights" if m.get("quantize_target") else "") for m in metas}
     kinds = {m.get("quantize_draft") for m in metas}
-    # True: runs written before int4 drafts existed, whose flag meant dynamic int8
     kind = kinds.pop() if len(kinds) == 1 else None
-    draft = {True: "dynamic-int8 draft", "int8": "dynamic-int8 draft", "int4": "int4 draft"}.get(kind, "draft")
+    kind = "int8" if kind is True else kind  # runs written before int4 drafts existed: the flag meant dynamic int8
+    draft = f"{DRAFT_QUANTIZATIONS[kind]} draft" if kind in DRAFT_QUANTIZATIONS else "draft"
     return f"target {' / '.join(sorted(settings))}, {draft}"
 
 

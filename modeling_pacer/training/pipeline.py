@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from ..pairs.loading import DRAFT_QUANTIZATIONS
 from .arguments import RunArguments, held_out_count
 from .card import card_fields, describe_source, render_card
 
@@ -256,7 +257,7 @@ def train(args: RunArguments, pair, prompts: list[tuple[str, torch.Tensor]], dat
                    f"{script.max_new_tokens} new tokens at most per prompt, drafts of up to {script.max_draft} tokens "
                    f"from every output position (teacher forcing).")
     draft_name = describe_source(pair.draft_source) + (
-        f" with {'dynamic-int8' if args.pair.quantize_draft == 'int8' else 'int4'} Linear layers (as recorded)"
+        f" with {DRAFT_QUANTIZATIONS[args.pair.quantize_draft]} Linear layers (as recorded)"
         if args.pair.quantize_draft else "")
     fields = card_fields(
         head, pair_name=pair.name, target=describe_source(pair.target_source), draft=draft_name,
