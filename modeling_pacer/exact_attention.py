@@ -57,19 +57,9 @@ def exact_attention_mask(*args, **kwargs):
     return sdpa_mask(*args, **kwargs)
 
 
-def _row_ranges(attention_mask, q_len: int, kv_len: int, window: int | None) -> list[tuple[int, int]]:
-    """For each query row, the range [lo, hi) of keys it attends to.
-
-    Without a mask the keys are the cache's positions ending at the last query (a DynamicCache); with one,
-    the ranges are read from it and must be what a causal (sliding-window) pattern gives, else a clear error.
-    """
-    if attention_mask is None:
-        ranges = []
-        for i in range(q_len):
-            hi = kv_len - q_len + i + 1
-            ranges.append((max(0, hi - window) if window else 0, hi))
-        return ranges
-
+def _visible_keys(attention_mask, q_len: int, kv_len: int) -> torch.Tensor:
+    """The 4-D mask as booleans `(batch, q_len, kv_len)`, True where a query sees a key; one mask per batch row
+    (shared by the heads)."""
     mask = attention_mask
     if mask.dim() != 4 or mask.shape[-2] != q_len or mask.shape[-1] != kv_len:
         raise ValueError(
@@ -82,27 +72,59 @@ def _row_ranges(attention_mask, q_len: int, kv_len: int, window: int | None) -> 
         if not bool((visible | blocked).all()):
             raise ValueError("pacer_exact attention supports no attention bias, only a causal mask.")
         mask = visible
-    rows = mask[0, 0] if mask.shape[1] == 1 else None
-    if rows is None or (mask.shape[0] > 1 and not bool((mask == mask[:1, :1]).all())):
-        raise ValueError("pacer_exact attention needs one mask shared by the batch and the heads (batch size 1).")
+    if mask.shape[1] != 1 and not bool((mask == mask[:, :1]).all()):
+        raise ValueError("pacer_exact attention needs one mask shared by the heads.")
+    return mask[:, 0]
+
+
+def _causal_ranges(rows: torch.Tensor, window: int | None, padded: bool) -> list[tuple[int, int] | None]:
+    """`rows` `(q_len, kv_len)` visible keys of one sequence -> each query's key range [lo, hi), checked to be
+    what a causal (sliding-window) pattern gives. `padded`: the sequence may start with left padding, i.e.
+    keys before its first visible one are never seen, and padding queries that see no key at all get None."""
+    kv_len = rows.shape[-1]
     counts = rows.sum(-1)
-    if bool((counts == 0).any()):
+    empty = counts == 0
+    if bool(empty.any()) and not padded:
         raise ValueError("pacer_exact attention: a query row sees no key (padding?); batch size 1 without padding only.")
     idx = torch.arange(kv_len, device=rows.device)
     lo = torch.where(rows, idx, kv_len).amin(-1)
     hi = torch.where(rows, idx, -1).amax(-1) + 1
-    contiguous = bool(((hi - lo) == counts).all())
-    steps = bool((hi[1:] - hi[:-1] == 1).all()) if q_len > 1 else True
-    lo_l, hi_l = lo.tolist(), hi.tolist()
-    expected_lo = [max(0, h - window) if window else 0 for h in hi_l]
-    if not (contiguous and steps and lo_l == expected_lo):
+    seen = ~empty
+    first_seen = int(seen.long().argmax()) if bool(seen.any()) else rows.shape[0]
+    start = int(lo[seen].min()) if bool(seen.any()) else 0  # the first key that is not padding
+    lo_l, hi_l = lo[seen].tolist(), hi[seen].tolist()
+    ok = bool(((hi - lo)[seen] == counts[seen]).all())  # contiguous
+    ok = ok and not bool(empty[first_seen:].any())  # padding queries only before the sequence's own
+    ok = ok and all(b - a == 1 for a, b in zip(hi_l, hi_l[1:]))
+    ok = ok and lo_l == [max(start if padded else 0, h - window) if window else (start if padded else 0) for h in hi_l]
+    if not ok:
         raise ValueError(
             "pacer_exact attention: the attention mask is not a plain causal"
             + (f" (sliding window {window})" if window else "")
-            + " pattern, e.g. it has padding. It supports batch size 1 without padding (pass no attention_mask, "
-            "or an all-ones one)."
+            + " pattern" + (" after left padding." if padded else ", e.g. it has padding. It supports batch size 1 "
+                            "without padding (pass no attention_mask, or an all-ones one), or left-padded batches.")
         )
-    return list(zip(lo_l, hi_l))
+    return [None] * first_seen + list(zip(lo_l, hi_l))
+
+
+def _row_ranges(attention_mask, q_len: int, kv_len: int, window: int | None) -> list[list[tuple[int, int] | None]]:
+    """For each sequence of the batch and each query row, the range [lo, hi) of keys it attends to (None: a
+    padding query that sees nothing; its output row is zeros and never read).
+
+    Without a mask the keys are the cache's positions ending at the last query (a DynamicCache); with one,
+    the ranges are read from it and must be what a causal (sliding-window) pattern gives, after left padding
+    when the sequences of a batch differ, else a clear error. A mask shared by the batch gives one list.
+    """
+    if attention_mask is None:
+        ranges = []
+        for i in range(q_len):
+            hi = kv_len - q_len + i + 1
+            ranges.append((max(0, hi - window) if window else 0, hi))
+        return [ranges]
+    visible = _visible_keys(attention_mask, q_len, kv_len)
+    if visible.shape[0] == 1 or bool((visible == visible[:1]).all()):
+        return [_causal_ranges(visible[0], window, padded=False)]
+    return [_causal_ranges(rows, window, padded=True) for rows in visible]
 
 
 def exact_attention_forward(
@@ -136,21 +158,35 @@ def exact_attention_forward(
     dtype = query.dtype
     # (batch, kv_heads, groups, q_len, head_dim): the query heads that share a key/value head, side by side
     q = query.reshape(batch, kv_heads, groups, q_len, head_dim)
-    rows = []
-    for i, (lo, hi) in enumerate(ranges):
-        # float32 copies, contiguous: the same values in the same layout whatever the call's q_len / kv_len
-        q_i = q[:, :, :, i, :].to(torch.float32).contiguous()  # (batch, kv_heads, groups, head_dim)
-        k_i = key[:, :, lo:hi, :].to(torch.float32).contiguous()  # (batch, kv_heads, n, head_dim)
-        v_i = value[:, :, lo:hi, :].to(torch.float32).contiguous()
-        scores = torch.matmul(q_i, k_i.transpose(-1, -2)) * scaling  # (batch, kv_heads, groups, n)
-        if softcap is not None:
-            scores = torch.tanh(scores / softcap) * softcap
-        probs = torch.softmax(scores, dim=-1)
-        if dropout > 0.0:
-            probs = torch.nn.functional.dropout(probs, p=dropout, training=True)
-        out_i = torch.matmul(probs, v_i)  # (batch, kv_heads, groups, head_dim)
-        rows.append(out_i.reshape(batch, heads, head_dim).to(dtype))
-    return torch.stack(rows, dim=1), None  # (batch, q_len, heads, head_dim)
+    if len(ranges) == 1:  # one pattern for the whole batch (batch size 1, or equal sequences)
+        rows = [_attend(q[:, :, :, i, :], key[:, :, lo:hi, :], value[:, :, lo:hi, :], scaling, softcap, dropout).to(dtype)
+                for i, (lo, hi) in enumerate(ranges[0])]
+        return torch.stack(rows, dim=1), None  # (batch, q_len, heads, head_dim)
+    # left-padded batch: each sequence's rows alone, by the same ops on the same shapes as at batch size 1
+    out = query.new_zeros(batch, q_len, heads, head_dim)
+    for b, sequence in enumerate(ranges):
+        for i, span in enumerate(sequence):
+            if span is not None:
+                lo, hi = span
+                out[b, i] = _attend(q[b : b + 1, :, :, i, :], key[b : b + 1, :, lo:hi, :], value[b : b + 1, :, lo:hi, :],
+                                    scaling, softcap, dropout)[0].to(dtype)
+    return out, None
+
+
+def _attend(q_i, k_i, v_i, scaling, softcap, dropout) -> torch.Tensor:
+    """One query row: `q_i` (batch, kv_heads, groups, head_dim), `k_i`/`v_i` (batch, kv_heads, n, head_dim) ->
+    (batch, heads, head_dim) float32."""
+    batch, kv_heads, groups, head_dim = q_i.shape
+    # float32 copies, contiguous: the same values in the same layout whatever the call's q_len / kv_len
+    q_i, k_i, v_i = (t.to(torch.float32).contiguous() for t in (q_i, k_i, v_i))
+    scores = torch.matmul(q_i, k_i.transpose(-1, -2)) * scaling  # (batch, kv_heads, groups, n)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    probs = torch.softmax(scores, dim=-1)
+    if dropout > 0.0:
+        probs = torch.nn.functional.dropout(probs, p=dropout, training=True)
+    out = torch.matmul(probs, v_i)  # (batch, kv_heads, groups, head_dim)
+    return out.reshape(batch, kv_heads * groups, head_dim)
 
 
 def _row_invariant_linear_forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -150,7 +150,7 @@ def test_pacer_greedy_equals_bf16_target(arch):
     assert drafted > 0
 
 
-def test_padding_is_refused():
+def test_padding_at_batch_size_1_is_refused():
     model = make_exact(make_model("llama", seed=1).to(torch.bfloat16))
     ids = torch.randint(0, VOCAB, (1, 6))
     mask = torch.tensor([[0, 0, 1, 1, 1, 1]])
@@ -158,6 +158,37 @@ def test_padding_is_refused():
         model(input_ids=ids, attention_mask=mask)
     with torch.no_grad():  # an all-ones mask is no padding
         model(input_ids=ids, attention_mask=torch.ones_like(mask))
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral-sw8"])
+def test_left_padded_batch_is_each_sequence_alone(arch, dtype):
+    """A left-padded batch (how pacer-train records many prompts at once) computes every sequence's logits
+    bitwise as that sequence alone does, so batched greedy generation is each prompt's own greedy output."""
+    model = make_exact(_model(arch).to(DTYPES[dtype]))
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, VOCAB, (n,), generator=g) for n in (3, 11, 6)]
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):], mask[row, width - len(p):] = p, 1
+    with torch.no_grad():
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # as generate derives them from the mask
+        batched = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=14, pad_token_id=0)
+        for row, p in enumerate(prompts):
+            alone = model(input_ids=p[None]).logits[0]
+            assert torch.equal(batched[row, width - len(p):], alone), (arch, dtype, row)
+            expected = model.generate(p[None], do_sample=False, max_new_tokens=14, pad_token_id=0)[0, len(p):]
+            assert out[row, width:].tolist() == expected.tolist(), (arch, dtype, row)
+
+
+def test_a_batch_that_is_not_left_padded_is_refused():
+    model = make_exact(make_model("llama", seed=1))
+    ids = torch.randint(0, VOCAB, (2, 5))
+    with torch.no_grad(), pytest.raises(ValueError, match="after left padding"):
+        model(input_ids=ids, attention_mask=torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]))
 
 
 @pytest.mark.parametrize("threads", [None, 2])
