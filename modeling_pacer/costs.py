@@ -83,7 +83,8 @@ def measure_costs(target, draft, head, input_ids: torch.Tensor, max_tokens: int,
     if head is not None:
         length = max(1, min(max_tokens - 1, head.config.max_draft_length))  # the longest draft it reads
         hidden = torch.randn(1, length, head.config.draft_hidden_size, dtype=head.dtype)
-        head_call = _median_seconds(lambda: head.acceptance_probabilities(hidden), repeats)
+        features = torch.rand(1, length, 2) if getattr(head.config, "use_draft_features", False) else None
+        head_call = _median_seconds(lambda: head.acceptance_probabilities(hidden, draft_features=features), repeats)
     return CostModel(costs, _median_seconds(draft_step, repeats), head_call)
 
 

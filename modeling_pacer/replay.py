@@ -173,9 +173,13 @@ class ReplayResult:
 
 def head_acceptance(head, trace: Trace) -> torch.Tensor:
     """`(N, max_draft)` the head's P(accept) for the recorded draft at every position, in one call (the
-    head is causal, so row i serves every prefix of the draft from position i)."""
+    head is causal, so row i serves every prefix of the draft from position i). A head with
+    `use_draft_features` also reads the recorded token probabilities and entropies, as the live loop does."""
+    features = None
+    if getattr(head.config, "use_draft_features", False):
+        features = torch.stack([trace.token_probs, trace.entropies], -1).to(torch.float32)
     with torch.no_grad():
-        return head.acceptance_probabilities(trace.hidden.to(head.dtype))
+        return head.acceptance_probabilities(trace.hidden.to(head.dtype), draft_features=features)
 
 
 def replay(policy: StoppingPolicy, trace: Trace, costs: CostModel, head=None, acceptance: torch.Tensor | None = None) -> ReplayResult:
@@ -251,43 +255,62 @@ def _features(logits: torch.Tensor):
 
 
 @torch.no_grad()
+def _continuations(draft, cache, prefix: int, misses: list[int], first: torch.Tensor, steps: int) -> dict:
+    """What the draft drafts after a miss, for every miss position at once.
+
+    `cache` holds the teacher-forced draft over prompt + output. The continuation after the miss at output
+    position p sees the keys of prompt + output[:p], then its own tokens: `first[i]` (the miss itself, at
+    position prefix + p) and what it drafts after it. All misses advance together, one draft forward of
+    len(misses) tokens per drafted token, with a 4-D mask that lets each see only its own keys (as a tree
+    of drafts), instead of one forward per token per miss. Returns `{p: [(prob, entropy, hidden), ...]}`
+    for the `steps` tokens after each miss; the cache is cropped back."""
+    base, m = cache.get_seq_length(), len(misses)
+    starts = prefix + torch.tensor(misses)
+    context = torch.arange(base)[None, :] < starts[:, None]  # (m, base) keys of prompt + output[:p]
+    own = torch.eye(m, dtype=torch.bool)
+    feed, rows = first.view(1, m), {p: [] for p in misses}
+    for s in range(steps):
+        mask = torch.cat([context] + [own] * (s + 1), dim=1)[None, None].to(draft.device)  # (1, 1, m, base + (s+1) m)
+        out = draft(input_ids=feed.to(draft.device), attention_mask=mask, position_ids=(starts + s)[None].to(draft.device),
+                    use_cache=True, output_hidden_states=True, **cache_kwargs(draft, cache))
+        tokens, probs, entropies = _features(out.logits[0].cpu())
+        hidden = out.hidden_states[-1][0].cpu()
+        for i, p in enumerate(misses):
+            rows[p].append((probs[i], entropies[i], hidden[i]))
+        feed = tokens.view(1, m)
+    crop_cache(cache, base)
+    return rows
+
+
+@torch.no_grad()
 def record_trace(draft, target, input_ids: torch.Tensor, output: torch.Tensor, max_draft: int,
-                      dataset="", prompt_id="") -> Trace:
-    """The same trace as [`record_trace_by_decoding`] for greedy decoding, at the cost of one target forward, one
-    draft forward, and a short draft continuation per position where the draft misses.
+                 dataset="", prompt_id="", target_choice: torch.Tensor | None = None) -> Trace:
+    """The same trace as [`record_trace_by_decoding`] for greedy decoding (up to float rounding in the
+    features: the draft runs on other shapes), at the cost of one target forward, one draft forward, and
+    `max_draft - 1` draft forwards that continue every draft past its first miss at once.
 
     Teacher forcing: along the target's greedy output the draft's context equals the output until its
     first miss, so a draft that starts at position i proposes the teacher-forced prediction at i, i+1,
     ... up to and including the miss at p = i + match[i]. Only what it drafts after the miss needs the
     draft's own continuation from `output[:p] + miss`, and that continuation is the same for every start
-    that misses at p: one continuation of `max_draft - 1` draft forwards per miss position serves them all.
+    that misses at p ([`_continuations`] runs them all together).
     The target forward gives the target's greedy choice at every position (equal to `output` when
-    `output` is the target's greedy output; computed, not assumed).
+    `output` is the target's greedy output; computed, not assumed). `target_choice` `(N,)`: those choices
+    when they are already known (`output` itself, produced by the target's exact greedy decoding), which
+    saves the target forward.
     """
     n, prefix = output.shape[0], input_ids.shape[1]
     ids = torch.cat([input_ids, output[None]], dim=1)
-    target_choice = target(input_ids=ids[:, :-1].to(target.device)).logits[0, prefix - 1 :].argmax(-1).cpu()
+    if target_choice is None:
+        target_choice = target(input_ids=ids[:, :-1].to(target.device)).logits[0, prefix - 1 :].argmax(-1).cpu()
     cache = DynamicCache(config=draft.config.get_text_config(decoder=True))
-    cache.activate_past_recording()  # it is cropped back below, past any sliding window
     out = draft(input_ids=ids[:, :-1].to(draft.device), use_cache=True, output_hidden_states=True, **cache_kwargs(draft, cache))
     tf_tokens, tf_probs, tf_entropy = _features(out.logits[0, prefix - 1 :].cpu())
     tf_hidden = out.hidden_states[-1][0, prefix - 1 :].cpu()
     correct = tf_tokens == target_choice
     match = _run_lengths(correct, max_draft)
-
-    # continuation after each miss position p (ascending): context prompt + output[:p], then the miss
-    cont = {}
-    crop_cache(cache, prefix - 1)
-    for p in torch.nonzero(~correct).flatten().tolist():
-        model_forward(draft, ids[:, cache.get_seq_length() : prefix + p], cache, 1)  # catch up, teacher-forced
-        feed, rows = tf_tokens[p].view(1, 1), []
-        for _ in range(max_draft - 1):
-            logits, states = model_forward(draft, feed, cache, 1, hidden=True)
-            token, prob, token_entropy = _features(logits[0].cpu())
-            rows.append((prob[0], token_entropy[0], states[0, 0].cpu()))
-            feed = token.view(1, 1)
-        cont[p] = rows
-        crop_cache(cache, prefix + p)
+    misses = torch.nonzero(~correct).flatten().tolist()
+    cont = _continuations(draft, cache, prefix, misses, tf_tokens[misses], max_draft - 1) if misses and max_draft > 1 else {}
 
     # draft tokens past the end of the output are never drafted (the budget stops them): left as zeros
     probs = torch.zeros(n, max_draft)

@@ -16,6 +16,7 @@ from modeling_pacer.replay import (
     load_traces,
     oracle,
     record_match,
+    record_trace,
     record_trace_by_decoding,
     replay,
     save_traces,
@@ -107,6 +108,24 @@ def test_cheap_match_trace_equals_full_trace(setup):
     cheap = record_match(setup.pair.draft, ids, output, 6)
     assert cheap.match.tolist() == full.match.tolist()
     assert cheap.match.max() > 0  # the draft does agree sometimes: the comparison means something
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_teacher_forced_trace_equals_decoded_trace(arch):
+    """record_trace (teacher forcing, every draft's continuation past its miss run together under a tree
+    mask) records what the draft drafts from every position when it really decodes: the same matches, the
+    same features up to float rounding, for every draft token the budget allows."""
+    target, draft = make_pair(arch, arch, "noisy")
+    ids = torch.randint(0, VOCAB, (1, 7), generator=torch.Generator().manual_seed(1))
+    output = target.generate(ids, max_new_tokens=40, do_sample=False)[0, 7:]
+    decoded = record_trace_by_decoding(draft, ids, output, 6, True)
+    for fast in (record_trace(draft, target, ids, output, 6), record_trace(draft, target, ids, output, 6, target_choice=output)):
+        assert fast.match.tolist() == decoded.match.tolist()
+        assert 0 < int((fast.match == 0).sum()) < len(output)  # misses and hits: continuations were needed
+        budget = torch.arange(6)[None, :] < (len(output) - torch.arange(len(output)))[:, None]  # j < n - i
+        torch.testing.assert_close(fast.token_probs[budget], decoded.token_probs[budget], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(fast.entropies[budget], decoded.entropies[budget], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(fast.hidden[budget].float(), decoded.hidden[budget].float(), atol=2e-3, rtol=1e-3)
 
 
 def test_oracle_beats_every_replayed_policy(setup):

@@ -45,11 +45,7 @@ def _prompts(seed: int = 0):
     return [torch.randint(0, VOCAB, (1, n), generator=g) for n in PROMPT_LENGTHS]
 
 
-@pytest.mark.parametrize("pair", PAIRS, ids=["-".join(p) for p in PAIRS])
-@pytest.mark.parametrize("policy_name", list(POLICIES))
-def test_greedy_identical_to_target(pair, policy_name):
-    target, draft = make_pair(*pair)
-    head = make_head(draft, max_draft_length=16)
+def _assert_greedy_identical(target, draft, head, policy_name):
     drafted = 0
     for ids in _prompts():
         for new in NEW_TOKENS:
@@ -61,6 +57,22 @@ def test_greedy_identical_to_target(pair, policy_name):
             assert out.sequences.tolist() == expected.tolist(), (policy_name, ids.shape, new)
             drafted += sum(s.drafted for s in out.pacer_stats.steps)
     assert drafted > 0  # the policy really drafted: this compared speculative decoding, not a plain loop
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=["-".join(p) for p in PAIRS])
+@pytest.mark.parametrize("policy_name", list(POLICIES))
+def test_greedy_identical_to_target(pair, policy_name):
+    target, draft = make_pair(*pair)
+    _assert_greedy_identical(target, draft, make_head(draft, max_draft_length=16), policy_name)
+
+
+@pytest.mark.parametrize("pair", [PAIRS[0], PAIRS[4]], ids=["-".join(p) for p in (PAIRS[0], PAIRS[4])])
+@pytest.mark.parametrize("policy_name", ["pacer-b1", "pacer-b3", "throughput-head"])
+def test_greedy_identical_with_draft_features_head(pair, policy_name):
+    """A head that also reads the draft's token probabilities and entropies changes where drafting stops, never
+    the output."""
+    target, draft = make_pair(*pair)
+    _assert_greedy_identical(target, draft, make_head(draft, max_draft_length=16, use_draft_features=True), policy_name)
 
 
 def test_pacer_head_alone_uses_its_config():

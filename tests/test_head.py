@@ -96,6 +96,34 @@ def test_position_beyond_max_draft_length_is_a_clear_error(head):
         head(torch.randn(1, 9, 24))
 
 
+def test_draft_features_head_shapes_and_errors():
+    """A head with use_draft_features reads (batch, draft_len, 2) features beside the hidden states, stays causal,
+    and refuses to run without them or with features of another shape."""
+    torch.manual_seed(0)
+    head = PacerHead(PacerConfig(**SMALL, use_draft_features=True)).eval()
+    assert head.feature_proj.in_features == 2 and not head.feature_proj.bias.any()  # initialised as the others
+    assert head.feature_proj.weight.std() < 4 * head.config.initializer_range
+    x, features = torch.randn(2, 5, 24), torch.rand(2, 5, 2)
+    out = head(x, draft_features=features)
+    assert out.logits.shape == (2, 5)
+    assert head.acceptance_probabilities(x, draft_features=features).shape == (2, 5)
+    assert not torch.allclose(out.logits, head(x, draft_features=torch.zeros(2, 5, 2)).logits)  # they are read
+    torch.testing.assert_close(head(x[:, :3], draft_features=features[:, :3]).logits, out.logits[:, :3])
+    with pytest.raises(ValueError, match=r"use_draft_features=True.*draft_features of shape \(batch, draft_len, 2\)"):
+        head(x)
+    with pytest.raises(ValueError, match=r"\(2, 5, 2\).*got \(2, 4, 2\)"):
+        head.acceptance_probabilities(x, draft_features=features[:, :4])
+    with pytest.raises(ValueError, match=r"got \(2, 5, 3\)"):
+        head(x, draft_features=torch.rand(2, 5, 3))
+
+
+def test_head_without_draft_features_ignores_them(head):
+    """One collator serves both kinds of head: a head without use_draft_features ignores the features."""
+    assert head.feature_proj is None and not head.config.use_draft_features
+    x = torch.randn(2, 5, 24)
+    assert torch.equal(head(x, draft_features=torch.rand(2, 5, 2)).logits, head(x).logits)
+
+
 def test_save_pretrained_writes_a_hub_ready_folder(head, tmp_path):
     head.save_pretrained(tmp_path)
     files = sorted(os.listdir(tmp_path))
@@ -113,6 +141,19 @@ def test_round_trip_local_folder(head, tmp_path):
     assert_same_head(remote, head, x)
     assert AutoConfig.from_pretrained(tmp_path, trust_remote_code=True).block_size == head.config.block_size
     assert_same_head(PacerHead.from_pretrained(tmp_path).eval(), head, x)
+
+
+def test_round_trip_draft_features_head(tmp_path):
+    """A features head saves its switch and its feature projection, and loads both ways with the same outputs."""
+    torch.manual_seed(0)
+    head = PacerHead(PacerConfig(**SMALL, use_draft_features=True)).eval()
+    head.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["use_draft_features"] is True
+    x, features = torch.randn(1, 6, 24), torch.rand(1, 6, 2)
+    for loaded in (AutoModel.from_pretrained(tmp_path, trust_remote_code=True), PacerHead.from_pretrained(tmp_path)):
+        assert torch.equal(loaded.state_dict()["feature_proj.weight"], head.feature_proj.weight)
+        torch.testing.assert_close(loaded.eval()(x, draft_features=features).logits,
+                                   head(x, draft_features=features).logits, **OUTPUTS)
 
 
 def _offline_hub_snapshot(folder: Path, hf_home: Path, repo_id: str) -> None:

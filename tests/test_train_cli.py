@@ -179,6 +179,52 @@ def test_resume_reuses_traces(tmp_path, monkeypatch):
         pipeline.record_traces(pair, prompts[:2], 16, 4, tmp_path / "traces", resume=True)
 
 
+def test_ablation_heads_and_first_token_predictors(tmp_path):
+    """--ablate-draft-features and --ablate-training-sizes train the extra heads on the same held-out prompts;
+    the card compares the head's first-token predictions with the draft's probability and entropy, and
+    the paper's rule with the cost-aware one."""
+    pair, prompts = _pair_and_prompts()
+    args = _args(tmp_path, "--head-draft-features", "--ablate-draft-features", "--ablate-training-sizes", "1", "2", "9")
+    summary = pipeline.train(args, pair, prompts, "Tiny random prompts.")
+    head = PacerHead.from_pretrained(tmp_path / "run" / "head")
+    assert head.config.use_draft_features
+    ablations = summary["ablations"]
+    for name in ("without draft features", "trained on 1 prompts", "trained on 2 prompts"):
+        rows = [k for k in ablations if k.startswith(f"{name} (first-token AUC ")]
+        assert len(rows) == 1 and all(0 < ablations[k] <= ablations["oracle"] + 1e-9 for k in rows), name
+    assert not any(k.startswith("trained on 9 prompts") for k in ablations)  # not fewer than the 4 it has
+    for b in (1, 2, 3):
+        assert 0 < ablations[f"cost-aware rule (expected tokens/s), head estimate, block size {b}"] <= ablations["oracle"] + 1e-9
+    assert 0 < ablations["cost-aware rule, draft probability estimate (no head)"] <= ablations["oracle"] + 1e-9
+    predictors = summary["first_token_predictors"]
+    assert set(predictors) == {"head", "draft probability", "draft entropy (lower ranks higher)"}
+    assert all(0 <= p["auc"] <= 1 for p in predictors.values())
+    assert predictors["head"]["auc"] == pytest.approx(summary["metrics"]["eval_auc_first_token"])
+    card = (tmp_path / "run" / "head" / "README.md").read_text()
+    assert f"| draft probability | {predictors['draft probability']['auc']:.3f} |" in card
+    assert "| draft entropy (lower ranks higher) |" in card and "| – |" in card  # entropy is no probability
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batched_recording_equals_one_prompt_at_a_time(tmp_path, dtype):
+    """An exact target records several prompts in one left-padded batch: every output is that prompt's own
+    greedy output and every trace is the one recorded alone (the loop's path, for non-exact targets)."""
+    from modeling_pacer import make_exact
+
+    pair, prompts = _pair_and_prompts()
+    pair.target = make_exact(pair.target.to(dtype))
+    alone = pipeline.record_traces(pair, prompts, 20, 6, tmp_path / "alone", resume=False)
+    pair.exact = True
+    batched = pipeline.record_traces(pair, prompts, 20, 6, tmp_path / "batched", resume=False, batch_size=4)
+    assert [t.prompt_id for t in batched] == [pid for pid, _ in prompts]
+    for (pid, ids), one, many in zip(prompts, alone, batched):
+        expected = pair.target.generate(ids, do_sample=False, max_new_tokens=20)[0, ids.shape[1]:]
+        assert many.output.tolist() == one.output.tolist() == expected.tolist(), pid
+        assert many.match.tolist() == one.match.tolist(), pid
+        torch.testing.assert_close(many.token_probs, one.token_probs)
+    assert pipeline.recording_time(tmp_path / "batched", [pid for pid, _ in prompts]).startswith("traces ")
+
+
 def test_two_processes(tmp_path):
     """Two CPU processes (torchrun, as `accelerate launch --multi_gpu` starts them; gloo instead of NCCL):
     each records its share of the traces, the Trainer trains data-parallel, the main process alone tunes
@@ -227,7 +273,11 @@ def test_defaults_are_the_commands_of_old():
     s = args.script
     assert (s.n, s.skip, s.prompt_filter, s.eval_fraction, s.max_new_tokens, s.max_draft) == (200, 0, None, 0.15, 128, 16)
     assert (s.head_hidden_size, s.head_heads, s.head_intermediate_size, s.head_dropout) == (256, 4, 512, 0.0)
-    assert not (s.ablate_position_embedding or s.resume or s.private) and s.push_to_hub_repo is None
+    assert not (s.ablate_position_embedding or s.head_draft_features or s.resume or s.private)
+    assert s.push_to_hub_repo is None
+    assert not pipeline.head_config(s, 32).use_draft_features
+    features = cli.parse_run_args(["--out", "runs/x", "--head-draft-features"]).script
+    assert pipeline.head_config(features, 32).use_draft_features
     assert args.pair == PairArguments()
     # the old flag names are aliases of the TrainingArguments fields, and the run parser keeps every field's flag;
     # TrainingArguments' boolean --push-to-hub alone gives way to ours (a repo id for the head folder)

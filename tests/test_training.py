@@ -1,16 +1,18 @@
 """Training data and trainer on tiny models: fast labels equal the exact simulation's, packing masks
-are exact, the trainer changes the head and lowers the loss on a learnable task."""
+are exact, the trainer changes the head and lowers the loss on a learnable task, and a head reading the
+draft's own features predicts the same in replay as in the live loop."""
 
 import pytest
 import torch
 
-from modeling_pacer import PacerConfig, PacerHead
-from modeling_pacer.replay import record_trace
+from modeling_pacer import Pacer, PacerConfig, PacerHead
+from modeling_pacer.custom_generate.generate import generate
+from modeling_pacer.replay import head_acceptance, record_trace
 from modeling_pacer.training.data import PackedDraftCollator, examples_from_trace, simulate_drafts, to_dataset
 from modeling_pacer.training.training_args import PacerTrainingArguments
 from modeling_pacer.training.trainer import PacerTrainer, acceptance_metrics, roc_auc
 
-from conftest import VOCAB, make_pair
+from conftest import VOCAB, make_head, make_pair
 
 MAX_DRAFT = 5
 
@@ -29,6 +31,8 @@ def test_fast_labels_equal_exact_simulation(arch, prompt_length, new):
         f = fast[e["start"]]
         assert f["labels"].tolist() == e["labels"].tolist()
         torch.testing.assert_close(f["hidden"].float(), e["hidden"].float(), atol=2e-3, rtol=1e-3)
+        assert f["features"].dtype == e["features"].dtype == torch.float32
+        torch.testing.assert_close(f["features"], e["features"], atol=1e-4, rtol=1e-4)
 
 
 def test_sampling_simulation_records_soft_labels():
@@ -58,6 +62,26 @@ def test_collator_packs_drafts_with_exact_masks():
     batch = PackedDraftCollator(max_tokens_per_row=4)(features[:3])
     assert batch["labels"][1].tolist() == [1, 0, -100, -100]
     assert not batch["attention_mask"][1, :, 2:].any()
+
+
+def test_collator_packs_draft_features_aligned_with_labels():
+    """`feature_column` packs each draft's (token prob, entropy) rows where its hidden states and labels go,
+    zeros at padding; without it the batch has no draft_features."""
+    features = [dict(hidden=torch.zeros(k, 4), labels=torch.tensor([1.0] * (k - 1) + [0.0]), soft_labels=torch.zeros(k),
+                     features=torch.stack([torch.full((k,), 0.1 * k), torch.arange(k) + 10.0 * k], -1), start=0)
+                for k in (3, 2, 4)]
+    assert "draft_features" not in PackedDraftCollator(max_tokens_per_row=6)(features)
+    batch = PackedDraftCollator(max_tokens_per_row=6, feature_column="features")(features)
+    # rows: [3, 2] (5 tokens) and [4] (4 tokens, one padding)
+    assert batch["draft_features"].shape == (2, 5, 2) and batch["draft_features"].dtype == torch.float32
+    expected = torch.zeros(2, 5, 2)
+    expected[0, :3], expected[0, 3:] = features[0]["features"], features[1]["features"]
+    expected[1, :4] = features[2]["features"]
+    assert torch.equal(batch["draft_features"], expected)
+    assert torch.equal(batch["draft_features"][batch["labels"] < 0], torch.zeros(1, 2))
+    # from a dataset too, as the trainer reads it
+    packed = PackedDraftCollator(max_tokens_per_row=6, feature_column="features")(list(to_dataset(features)))
+    assert torch.equal(packed["draft_features"], expected)
 
 
 def test_collator_rejects_a_draft_too_long():
@@ -103,6 +127,65 @@ def test_trainer_learns_a_toy_task(tmp_path):
     assert last["eval_loss"] < 0.6 * first["eval_loss"]
     assert last["eval_auc"] > 0.9 and last["eval_accuracy"] > 0.85
     assert 0 <= last["eval_ece"] < 0.2
+
+
+def _feature_dataset(n: int, seed: int, hidden: int = 8):
+    """Learnable from the draft features only: a token is accepted when its draft probability is above 0.5;
+    the hidden states are noise and the labels independent of the position."""
+    g = torch.Generator().manual_seed(seed)
+    examples = []
+    for i in range(n):
+        k = int(torch.randint(1, 6, (1,), generator=g))
+        features = torch.stack([torch.rand(k, generator=g), 3 * torch.rand(k, generator=g)], -1)
+        labels = (features[:, 0] > 0.5).float()
+        examples.append(dict(hidden=torch.randn(k, hidden, generator=g).half(), features=features, labels=labels,
+                             soft_labels=labels, start=i))
+    return to_dataset(examples)
+
+
+def test_trainer_learns_from_draft_features(tmp_path):
+    """The trainer feeds the features column to a head built with use_draft_features (and only to it): that head
+    learns a task the hidden states say nothing about, a head without features stays at chance."""
+    train, evaluation = _feature_dataset(300, 0), _feature_dataset(100, 1)
+    auc = {}
+    for use_draft_features in (True, False):
+        torch.manual_seed(0)
+        head = PacerHead(PacerConfig(draft_hidden_size=8, hidden_size=16, num_attention_heads=2, intermediate_size=32,
+                                     max_draft_length=8, use_draft_features=use_draft_features))
+        args = PacerTrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=64,
+                                      per_device_eval_batch_size=100, num_train_epochs=6, learning_rate=1e-2,
+                                      max_tokens_per_row=64, save_strategy="no", use_cpu=True, disable_tqdm=True)
+        trainer = PacerTrainer(model=head, args=args, train_dataset=train, eval_dataset=evaluation)
+        assert trainer.data_collator.feature_column == ("features" if use_draft_features else None)
+        trainer.train()
+        auc[use_draft_features] = trainer.evaluate()["eval_auc"]
+    assert auc[True] > 0.9 and abs(auc[False] - 0.5) < 0.1, auc
+
+
+@pytest.mark.parametrize("use_draft_features", [False, True], ids=["hidden", "features"])
+def test_live_head_predictions_equal_replayed_ones(use_draft_features):
+    """What the live loop's head computes for a draft (`DraftView.acceptance`) equals `head_acceptance` on the
+    trace of the same output: training data, replay and decoding feed the head the same inputs."""
+    target, draft = make_pair("llama", "llama", "noisy")
+    head = make_head(draft, max_draft_length=MAX_DRAFT, use_draft_features=use_draft_features)
+    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))
+    live = []
+
+    def record(seq, proposal, target_scores, accepted):
+        live.append((seq.shape[1] - ids.shape[1], proposal.view.acceptance()))
+
+    policy = Pacer(block_size=1, threshold=0.2, growth=1.0, max_draft_length=MAX_DRAFT)
+    sequences = generate(target, ids, assistant_model=draft, pacer_head=head, stopping_policy=policy,
+                         pacer_step_callback=record, max_new_tokens=30)
+    trace = record_trace(draft, target, ids, sequences[0, ids.shape[1]:], MAX_DRAFT)
+    replayed = head_acceptance(head, trace)
+    assert len(live) >= 5 and any(len(p) > 1 for _, p in live)
+    for start, predicted in live:
+        torch.testing.assert_close(predicted, replayed[start, : len(predicted)], atol=2e-3, rtol=0)
+    if use_draft_features:  # the features really count in both
+        zeros = torch.zeros(*trace.hidden.shape[:2], 2)
+        zeros = head.acceptance_probabilities(trace.hidden.float(), draft_features=zeros)
+        assert (zeros - replayed).abs().max() > 0.05
 
 
 def test_training_arguments_refuse_what_cannot_train(tmp_path):
@@ -159,7 +242,11 @@ def test_first_token_auc_reads_only_first_positions():
     later = torch.rand(5, 2)  # anything at later draft positions must not matter
 
     def head(scores):
-        return SimpleNamespace(dtype=torch.float32, acceptance_probabilities=lambda hidden: torch.cat([scores[:, None], later], 1))
+        def acceptance_probabilities(hidden, draft_features):
+            return torch.cat([scores[:, None], later], 1)
+
+        return SimpleNamespace(dtype=torch.float32, config=SimpleNamespace(use_draft_features=False),
+                               acceptance_probabilities=acceptance_probabilities)
 
     assert first_token_auc(head(first), [trace]) == 1.0
     assert first_token_auc(head(1 - first), [trace]) == 0.0

@@ -42,6 +42,10 @@ class PacerConfig(PreTrainedConfig):
             and later blocks end at the tops of the next ones. Tuned with the other rule parameters on
             the pair's measured cost curve.
         use_position_embedding (`bool`): add the learned draft-position embedding (an ablation switch).
+        use_draft_features (`bool`): also read, per draft token, the draft's probability of the token it drafted and
+            the entropy (nats) of the distribution it drafted from (`draft_features` in `forward`): the draft's own
+            confidence is a strong acceptance signal, which the hidden states carry only implicitly. Off by default,
+            as for heads trained before it existed.
         dropout (`float`): dropout inside the head during training.
     """
 
@@ -57,6 +61,7 @@ class PacerConfig(PreTrainedConfig):
     growth: int | float = 1.1
     first_block_size: int = 0
     use_position_embedding: bool = True
+    use_draft_features: bool = False
     dropout: int | float = 0.0
     initializer_range: float = 0.02
 

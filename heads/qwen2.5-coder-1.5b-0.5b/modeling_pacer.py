@@ -1,4 +1,5 @@
-"""The PACER pre-verification head: draft hidden states in, one acceptance logit per draft token out.
+"""The PACER pre-verification head: draft hidden states (and optionally the draft's token probability and
+entropy) in, one acceptance logit per draft token out.
 
 This file travels with heads published on the Hub (``trust_remote_code``): it imports only
 ``torch``, ``transformers`` and its sibling ``configuration_pacer``.
@@ -113,15 +114,20 @@ class PacerHead(PacerPreTrainedModel):
     r"""
     The pre-verification head M_B of PACER.
 
-    `draft hidden state -> Linear -> (+ draft-position embedding) -> one causal transformer layer
-    -> LayerNorm -> Linear -> one logit`. The layer attends causally *inside one draft*: token i of a
-    draft sees tokens 0..i of the same draft, never the prompt (the draft's hidden states already
-    summarise it) and never another draft packed in the same training row.
+    `draft hidden state -> Linear -> (+ Linear of the draft features) -> (+ draft-position embedding)
+    -> one causal transformer layer -> LayerNorm -> Linear -> one logit`. The layer attends causally
+    *inside one draft*: token i of a draft sees tokens 0..i of the same draft, never the prompt (the
+    draft's hidden states already summarise it) and never another draft packed in the same training row.
+
+    With `config.use_draft_features`, each token's `(token probability, entropy)` enters through its own
+    `Linear(2, hidden_size)`, as given: the mapping lives in the head, so training and decoding cannot
+    disagree on it.
     """
 
     def __init__(self, config: PacerConfig):
         super().__init__(config)
         self.input_proj = nn.Linear(config.draft_hidden_size, config.hidden_size)
+        self.feature_proj = nn.Linear(2, config.hidden_size) if config.use_draft_features else None
         self.position_embedding = (
             nn.Embedding(config.max_draft_length, config.hidden_size) if config.use_position_embedding else None
         )
@@ -144,6 +150,7 @@ class PacerHead(PacerPreTrainedModel):
         draft_positions: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
+        draft_features: torch.Tensor | None = None,
         **kwargs,
     ) -> PacerHeadOutput:
         r"""
@@ -157,6 +164,10 @@ class PacerHead(PacerPreTrainedModel):
                 block-diagonal causal mask here.
             labels (`torch.Tensor` of shape `(batch, draft_len)`, *optional*): 1 accepted, 0 rejected, or a
                 soft acceptance probability; entries < 0 are ignored.
+            draft_features (`torch.Tensor` of shape `(batch, draft_len, 2)`, *optional*): per draft token, the
+                draft's probability of the token it drafted and the entropy (nats) of the distribution it drafted
+                from. Required when `config.use_draft_features`, ignored otherwise (so that one collator serves
+                both kinds of head).
         """
         if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.config.draft_hidden_size:
             raise ValueError(
@@ -167,6 +178,19 @@ class PacerHead(PacerPreTrainedModel):
         batch, length, _ = hidden_states.shape
         device = hidden_states.device
         x = self.input_proj(hidden_states.to(self.input_proj.weight.dtype))
+        if self.feature_proj is not None:
+            if draft_features is None:
+                raise ValueError(
+                    "This PacerHead was built with use_draft_features=True and needs `draft_features`: pass "
+                    f"draft_features of shape (batch, draft_len, 2) = ({batch}, {length}, 2), each draft token's "
+                    "(draft probability of the token, entropy in nats of the distribution it was drafted from)."
+                )
+            if tuple(draft_features.shape) != (batch, length, 2):
+                raise ValueError(
+                    f"PacerHead expects draft_features of shape (batch, draft_len, 2) = ({batch}, {length}, 2), "
+                    f"matching hidden_states {tuple(hidden_states.shape)}; got {tuple(draft_features.shape)}."
+                )
+            x = x + self.feature_proj(draft_features.to(self.feature_proj.weight.dtype))
 
         if self.position_embedding is not None:
             if draft_positions is None:
@@ -193,10 +217,15 @@ class PacerHead(PacerPreTrainedModel):
 
     @torch.no_grad()
     def acceptance_probabilities(
-        self, hidden_states: torch.Tensor, draft_positions: torch.LongTensor | None = None
+        self,
+        hidden_states: torch.Tensor,
+        draft_positions: torch.LongTensor | None = None,
+        draft_features: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`(batch, draft_len, draft_hidden_size) -> (batch, draft_len)` predicted P(accept), for decoding."""
-        return torch.sigmoid(self(hidden_states, draft_positions=draft_positions).logits.float())
+        """`(batch, draft_len, draft_hidden_size) -> (batch, draft_len)` predicted P(accept), for decoding
+        (`draft_features` `(batch, draft_len, 2)` as in `forward`)."""
+        logits = self(hidden_states, draft_positions=draft_positions, draft_features=draft_features).logits
+        return torch.sigmoid(logits.float())
 
 
 PacerConfig.register_for_auto_class()

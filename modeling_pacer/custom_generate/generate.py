@@ -253,7 +253,11 @@ def propose(
         if k not in head_cache:
             with _Timer(stats, "head", device):
                 hidden = torch.cat(states, dim=1).to(head.device)
-                head_cache[k] = head.acceptance_probabilities(hidden)[0].to(device)
+                features = None
+                if getattr(head.config, "use_draft_features", False):
+                    features = torch.stack([torch.stack(probs), torch.stack(entropies)], -1)[None]
+                    features = features.float().to(head.device)
+                head_cache[k] = head.acceptance_probabilities(hidden, draft_features=features)[0].to(device)
             stats.head_forwards += 1
         return head_cache[k]
 

@@ -57,14 +57,32 @@ class PacerTrainScriptArguments:
     max_draft: int = field(
         default=16, metadata={"help": "longest draft recorded and allowed (the head's max_draft_length)"},
     )
+    record_batch_size: int = field(
+        default=8, metadata={"help": "prompts whose greedy outputs the target generates together (left-padded, exact "
+                                     "per sequence; about 5x the tokens/s of one at a time on a CPU)"},
+    )
     head_hidden_size: int = field(default=256, metadata={"help": "width of the head (small: it runs at every block)"})
     head_heads: int = field(
         default=4, metadata={"help": "attention heads of the head's one layer (must divide --head-hidden-size)"},
     )
     head_intermediate_size: int = field(default=512, metadata={"help": "width of that layer's feed-forward block"})
     head_dropout: float = field(default=0.0, metadata={"help": "dropout inside the head while training"})
+    head_draft_features: bool = field(
+        default=False,
+        metadata={"help": "let the head also read the draft's probability of each drafted token and the entropy it "
+                          "was drafted from (its own confidence), beside its hidden states"},
+    )
     ablate_position_embedding: bool = field(
         default=False, metadata={"help": "also train a head without draft-position embeddings, for the card's ablation"},
+    )
+    ablate_draft_features: bool = field(
+        default=False, metadata={"help": "also train the head the other way round (without --head-draft-features if "
+                                         "set, else with), for the card's ablation"},
+    )
+    ablate_training_sizes: list[int] = field(
+        default_factory=list, metadata={"help": "also train heads on only the first N training prompts, for each N "
+                                                "given, judged on the same held-out prompts (the card's data-size "
+                                                "ablation)", "nargs": "*"},
     )
     resume: bool = field(
         default=False, metadata={"help": "reuse the traces recorded in --out (with the same settings) and the last "
@@ -100,11 +118,14 @@ class PacerTrainScriptArguments:
         _check(self.max_new_tokens >= 2,
                f"--max-new-tokens must be at least 2 (one token to draft from, one to draft), got {self.max_new_tokens}.")
         _check(self.max_draft >= 1, f"--max-draft must be at least 1, got {self.max_draft}.")
+        _check(self.record_batch_size >= 1, f"--record-batch-size must be at least 1, got {self.record_batch_size}.")
         for name in ("head_hidden_size", "head_heads", "head_intermediate_size"):
             _check(getattr(self, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}.")
         _check(self.head_hidden_size % self.head_heads == 0,
                f"--head-hidden-size {self.head_hidden_size} is not divisible by --head-heads {self.head_heads} "
                "(each attention head takes an equal share of the width).")
+        _check(all(size >= 1 for size in self.ablate_training_sizes),
+               f"--ablate-training-sizes must be positive prompt counts, got {self.ablate_training_sizes}.")
         _check(0 <= self.head_dropout < 1, f"--head-dropout must lie in [0, 1), got {self.head_dropout}.")
         if self.push_to_hub_repo is not None:
             from huggingface_hub.utils import validate_repo_id

@@ -73,7 +73,7 @@ def render_card(folder: Path, fields: dict, bench: list[dict] | dict | None = No
 
 
 def card_fields(head, *, pair_name, target, draft, base_model, repo_id, metrics, tuned, ablations, data_description,
-                command, training_time) -> dict:
+                command, training_time, predictors=None) -> dict:
     """Everything the card template needs, JSON-serialisable (kept in summary.json for re-rendering)."""
     return dict(
         base_model=base_model, repo_id=repo_id or "org/pacer-head", pair_name=pair_name, target=target, draft=draft,
@@ -85,6 +85,8 @@ def card_fields(head, *, pair_name, target, draft, base_model, repo_id, metrics,
         accuracy=_fmt(metrics.get("eval_accuracy")), ece=_fmt(metrics.get("eval_ece")),
         brier=_fmt(metrics.get("eval_brier")), positive_rate=_fmt(metrics.get("eval_positive_rate")),
         ablations={k: f"{v:.2f}x" for k, v in ablations.items()}, command=command, training_time=training_time,
+        predictors={name: dict(auc=_fmt(p["auc"]), ece="–" if p["ece"] != p["ece"] else _fmt(p["ece"]))
+                    for name, p in (predictors or {}).items()},
     )
 
 

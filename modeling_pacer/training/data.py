@@ -31,7 +31,8 @@ PROMPT_FILTERS = {"CODE_AND_MATHS": CODE_AND_MATHS}
 def simulate_drafts(target, draft, input_ids: torch.Tensor, max_new_tokens: int, max_draft: int, **generate_kwargs):
     """Speculative decoding with `max_draft` tokens per step; returns `(examples, sequences)`.
 
-    Each example: `hidden` `(k, H)` float16 draft hidden states, `labels` `(k,)` 0/1, `soft_labels`
+    Each example: `hidden` `(k, H)` float16 draft hidden states, `features` `(k, 2)` float32 the draft's
+    probability of each token and the entropy it was drafted from, `labels` `(k,)` 0/1, `soft_labels`
     `(k,)` the probability that the token and all before it are accepted (the product of
     min(1, p/q); equal to `labels` under greedy decoding), `start` (output position of the draft).
     """
@@ -53,8 +54,9 @@ def simulate_drafts(target, draft, input_ids: torch.Tensor, max_new_tokens: int,
             soft = torch.cumprod(torch.clamp(p / q, max=1.0), dim=0)
         else:
             soft = labels.clone()
-        examples.append(dict(hidden=proposal.hidden[0].to(torch.float16).cpu(), labels=labels, soft_labels=soft.cpu(),
-                             start=ids.shape[1] - prompt_length))
+        features = torch.stack([proposal.view.token_probs, proposal.view.entropies], -1).float().cpu()
+        examples.append(dict(hidden=proposal.hidden[0].to(torch.float16).cpu(), features=features, labels=labels,
+                             soft_labels=soft.cpu(), start=ids.shape[1] - prompt_length))
 
     sequences = generate(target, input_ids, assistant_model=draft, stopping_policy=FixedLength(max_draft),
                          pacer_step_callback=record, max_new_tokens=max_new_tokens, **generate_kwargs)
@@ -63,23 +65,29 @@ def simulate_drafts(target, draft, input_ids: torch.Tensor, max_new_tokens: int,
 
 def examples_from_trace(trace: Trace) -> list[dict]:
     """Every draft start of a greedy trace as an example: the draft a fixed-length policy would send
-    from that position (as long as the budget allows), labelled by the target's output."""
+    from that position (as long as the budget allows), labelled by the target's output; with the same
+    fields as [`simulate_drafts`]'s examples."""
     n, max_draft = trace.length, trace.hidden.shape[1]
+    features = torch.stack([trace.token_probs, trace.entropies], -1).float()
     examples = []
     for i in range(n - 1):  # at the last position the budget allows no draft
         k = min(max_draft, n - i - 1)
         labels = (torch.arange(k) < int(trace.match[i])).float()
-        examples.append(dict(hidden=trace.hidden[i, :k].clone(), labels=labels, soft_labels=labels.clone(), start=i))
+        examples.append(dict(hidden=trace.hidden[i, :k].clone(), features=features[i, :k].clone(), labels=labels,
+                             soft_labels=labels.clone(), start=i))
     return examples
 
 
 def to_dataset(examples: list[dict], **columns):
-    """A `datasets.Dataset` with one row per draft; `columns` adds constant columns (e.g. prompt_id)."""
+    """A `datasets.Dataset` with one row per draft (and a `features` column when the examples have
+    draft features); `columns` adds constant columns (e.g. prompt_id)."""
     from datasets import Array2D, Dataset, Features, Sequence, Value
 
     hidden_size = examples[0]["hidden"].shape[-1]
-    features = Features({
+    with_features = "features" in examples[0]
+    schema = Features({
         "hidden": Array2D(shape=(None, hidden_size), dtype="float16"),
+        **({"features": Array2D(shape=(None, 2), dtype="float32")} if with_features else {}),
         "labels": Sequence(Value("float32")),
         "soft_labels": Sequence(Value("float32")),
         "start": Value("int32"),
@@ -87,12 +95,13 @@ def to_dataset(examples: list[dict], **columns):
     })
     data = {
         "hidden": [e["hidden"].numpy() for e in examples],
+        **({"features": [e["features"].numpy() for e in examples]} if with_features else {}),
         "labels": [e["labels"].tolist() for e in examples],
         "soft_labels": [e["soft_labels"].tolist() for e in examples],
         "start": [int(e["start"]) for e in examples],
         **{name: [str(value)] * len(examples) for name, value in columns.items()},
     }
-    return Dataset.from_dict(data, features=features)
+    return Dataset.from_dict(data, features=schema)
 
 
 @dataclass
@@ -102,11 +111,13 @@ class PackedDraftCollator:
     restart at 0 for every draft. Padding has label -100 and attends only to itself.
 
     Returns `hidden_states` `(B, T, H)`, `draft_positions` `(B, T)`, `attention_mask` `(B, T, T)` bool,
-    `labels` `(B, T)`.
+    `labels` `(B, T)`, and with `feature_column` set (for a head with `use_draft_features`) that column
+    as `draft_features` `(B, T, 2)`, zeros at padding.
     """
 
     max_tokens_per_row: int = 256
     label_column: str = "labels"
+    feature_column: str | None = None
 
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
         rows: list[list[dict]] = [[]]
@@ -126,6 +137,7 @@ class PackedDraftCollator:
         positions = torch.zeros(len(rows), width, dtype=torch.long)
         mask = torch.zeros(len(rows), width, width, dtype=torch.bool)
         labels = torch.full((len(rows), width), -100.0)
+        draft_features = torch.zeros(len(rows), width, 2) if self.feature_column else None
         for r, row in enumerate(rows):
             start = 0
             for f in row:
@@ -135,8 +147,13 @@ class PackedDraftCollator:
                 positions[r, start:end] = torch.arange(k)
                 mask[r, start:end, start:end] = torch.ones(k, k, dtype=torch.bool).tril()
                 labels[r, start:end] = torch.as_tensor(f[self.label_column], dtype=torch.float32)
+                if draft_features is not None:
+                    draft_features[r, start:end] = torch.as_tensor(f[self.feature_column], dtype=torch.float32)
                 start = end
-        return dict(hidden_states=hidden, draft_positions=positions, attention_mask=mask, labels=labels)
+        batch = dict(hidden_states=hidden, draft_positions=positions, attention_mask=mask, labels=labels)
+        if draft_features is not None:
+            batch["draft_features"] = draft_features
+        return batch
 
 
 def load_sharegpt_prompts(n: int | None = None, skip: int = 0, min_chars: int = 16, max_chars: int = 2000,

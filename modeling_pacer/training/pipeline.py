@@ -65,38 +65,96 @@ def read_trace(path: Path, settings: dict):
     return saved.traces[0]
 
 
+def _eos_ids(model) -> set[int]:
+    eos = model.generation_config.eos_token_id
+    return set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+
+
+@torch.no_grad()
+def greedy_outputs(target, prompts: list[torch.Tensor], max_new_tokens: int, pad_token_id: int) -> list[torch.Tensor]:
+    """The target's greedy output for each prompt `(L,)`, generated together as one left-padded batch.
+
+    With an exact target (`make_exact`: row-invariant linear layers, `pacer_exact` attention, which reads each
+    sequence's own keys after its padding) every sequence's logits are bitwise those it gets alone, so each
+    output is the prompt's own greedy output (tested), at about 5x the tokens/s of one prompt at a time on a
+    CPU. Each output ends at its first end-of-sequence token (kept)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt):], mask[row, width - len(prompt):] = prompt, 1
+    device = target.device
+    sequences = target.generate(ids.to(device), attention_mask=mask.to(device), do_sample=False,
+                                max_new_tokens=max_new_tokens, pad_token_id=pad_token_id).cpu()
+    eos, outputs = _eos_ids(target), []
+    for row in sequences[:, width:]:
+        ends = [j for j, token in enumerate(row.tolist()) if token in eos]
+        outputs.append(row[: ends[0] + 1] if ends else row)
+    return outputs
+
+
 def record_traces(pair, prompts: list[tuple[str, torch.Tensor]], max_new_tokens: int, max_draft: int,
-                  trace_dir: Path, resume: bool, progress=None):
+                  trace_dir: Path, resume: bool, progress=None, batch_size: int = 8):
     """A greedy trace per prompt (`(id, input_ids (1, L))`), saved as it is made (`ID.safetensors`) so a
-    rerun resumes; the seconds each took are kept beside it (`ID.seconds`) so that a resumed run still
-    reports them."""
+    rerun resumes; the seconds each took are kept beside it (`ID.seconds`: its share of its batch's
+    generation, by tokens, plus its own trace) so that a resumed run still reports them.
+
+    An exact target generates `batch_size` prompts at a time ([`greedy_outputs`]) and its outputs are its greedy choices, so the trace needs no target forward.
+    Any other target (e.g. 8-bit bitsandbytes, not row-invariant) decodes each prompt alone with our
+    lossless loop, and `record_trace` computes its choices. `progress`: a tqdm bar, advanced per prompt, its
+    postfix the generated tokens per second so far."""
     from ..custom_generate.generate import generate
     from ..custom_generate.policies import FixedLength
     from ..replay import record_trace, save_traces
 
     settings = trace_settings(pair, max_new_tokens, max_draft)
     trace_dir.mkdir(parents=True, exist_ok=True)
-    traces = []
-    for prompt_id, input_ids in prompts:
+    done = {}
+    for prompt_id, _ in prompts:
         path = trace_path(trace_dir, prompt_id)
         if resume and path.exists():
-            traces.append(read_trace(path, settings))
-        else:
-            start = time.perf_counter()
-            # the target's greedy output, produced by our own lossless loop (cheaper than the target alone)
-            input_ids = input_ids.to(pair.target.device)
+            done[prompt_id] = read_trace(path, settings)
+            if progress is not None:
+                progress.update(1)
+    pending = [p for p in prompts if p[0] not in done]
+    exact = bool(getattr(pair, "exact", False))
+    batch_size = batch_size if exact else 1
+    # prompts of similar length share a batch (less padding), sorted within windows of 8 batches so that an
+    # interrupted run has recorded roughly the first prompts, not the shortest of all
+    window = 8 * batch_size
+    pending = [p for w in range(0, len(pending), window) for p in sorted(pending[w : w + window], key=lambda p: p[1].shape[1])]
+    pad = getattr(pair.tokenizer, "pad_token_id", None)
+    pad = pad if pad is not None else min(_eos_ids(pair.target), default=0)  # masked out: any id will do
+    tokens, seconds = 0, 0.0
+    for first in range(0, len(pending), batch_size):
+        batch = pending[first : first + batch_size]
+        start = time.perf_counter()
+        if exact:
+            outputs = greedy_outputs(pair.target, [ids[0] for _, ids in batch], max_new_tokens, pad)
+        else:  # one prompt: the target's greedy output by our own lossless loop (cheaper than the target alone)
+            input_ids = batch[0][1].to(pair.target.device)
             sequences = generate(pair.target, input_ids, assistant_model=pair.draft, stopping_policy=FixedLength(2),
                                  max_new_tokens=max_new_tokens, do_sample=False)
-            output = sequences[0, input_ids.shape[1]:].cpu()
-            if output.shape[0] < 2:
-                continue  # nothing to draft
-            trace = record_trace(pair.draft, pair.target, input_ids.cpu(), output, max_draft, "train", prompt_id)
-            save_traces(path, [trace], **settings)
-            path.with_suffix(".seconds").write_text(f"{time.perf_counter() - start:.3f}")
-            traces.append(trace)
-        if progress is not None:
-            progress.update(1)
-    return traces
+            outputs = [sequences[0, input_ids.shape[1]:].cpu()]
+        generation = time.perf_counter() - start
+        generated = sum(len(o) for o in outputs)
+        for (prompt_id, input_ids), output in zip(batch, outputs):
+            start = time.perf_counter()
+            if output.shape[0] >= 2:  # else nothing to draft
+                trace = record_trace(pair.draft, pair.target, input_ids.cpu(), output, max_draft, "train", prompt_id,
+                                     target_choice=output if exact else None)
+                path = trace_path(trace_dir, prompt_id)
+                save_traces(path, [trace], **settings)
+                own = generation * len(output) / max(generated, 1) + time.perf_counter() - start
+                path.with_suffix(".seconds").write_text(f"{own:.3f}")
+                done[prompt_id] = trace
+            seconds += time.perf_counter() - start
+            if progress is not None:
+                progress.update(1)
+        tokens, seconds = tokens + generated, seconds + generation
+        if progress is not None and hasattr(progress, "set_postfix_str"):
+            progress.set_postfix_str(f"{tokens / seconds:.1f} tokens/s")
+    return [done[prompt_id] for prompt_id, _ in prompts if prompt_id in done]
 
 
 def recording_time(trace_dir: Path, prompt_ids) -> str:
@@ -129,15 +187,17 @@ def traces_to_dataset(traces):
 # --------------------------------------------------------------------------------------------------
 # training
 # --------------------------------------------------------------------------------------------------
-def head_config(script, draft_hidden_size: int, use_position_embedding: bool = True):
-    """The untrained head's shape, from the script arguments and the draft it reads."""
+def head_config(script, draft_hidden_size: int, **overrides):
+    """The untrained head's shape, from the script arguments and the draft it reads (`overrides`: config
+    fields an ablation changes, e.g. `use_position_embedding=False`)."""
     from .. import PacerConfig
 
-    return PacerConfig(
+    fields = dict(
         draft_hidden_size=draft_hidden_size, hidden_size=script.head_hidden_size, num_attention_heads=script.head_heads,
         intermediate_size=script.head_intermediate_size, max_draft_length=script.max_draft, dropout=script.head_dropout,
-        use_position_embedding=use_position_embedding,
+        use_draft_features=script.head_draft_features,
     )
+    return PacerConfig(**{**fields, **overrides})
 
 
 def check_evaluation(metrics: dict, eval_traces) -> None:
@@ -153,15 +213,15 @@ def check_evaluation(metrics: dict, eval_traces) -> None:
         )
 
 
-def fit_head(train_traces, eval_traces, draft_hidden_size: int, args: RunArguments, out: Path,
-             use_position_embedding=True):
-    """Train a head; returns `(head, held-out metrics, seconds)`. `out`: the trainer's folder (checkpoints)."""
+def fit_head(train_traces, eval_traces, draft_hidden_size: int, args: RunArguments, out: Path, **overrides):
+    """Train a head; returns `(head, held-out metrics, seconds)`. `out`: the trainer's folder (checkpoints);
+    `overrides`: config fields changed from the arguments' (an ablation)."""
     from .. import PacerHead
     from .trainer import PacerTrainer, first_token_auc
 
     training_args = replace(args.training, output_dir=str(out))
     torch.manual_seed(training_args.seed)
-    head = PacerHead(head_config(args.script, draft_hidden_size, use_position_embedding))
+    head = PacerHead(head_config(args.script, draft_hidden_size, **overrides))
     trainer = PacerTrainer(model=head, args=training_args, train_dataset=traces_to_dataset(train_traces),
                            eval_dataset=traces_to_dataset(eval_traces))
     start = time.perf_counter()
@@ -204,7 +264,9 @@ def train(args: RunArguments, pair, prompts: list[tuple[str, torch.Tensor]], dat
     from tqdm.auto import tqdm
 
     from ..costs import host_costs
-    from .tuning import best_fixed_length, oracle_speedup, rule_ablations, tune_pacer
+    from .trainer import first_token_predictors
+    from .tuning import (best_fixed_length, cost_aware_ablations, cost_aware_speedup, oracle_speedup, rule_ablations,
+                         tune_pacer)
 
     script = args.script
     state = _process_state(args.training.use_cpu)
@@ -214,7 +276,8 @@ def train(args: RunArguments, pair, prompts: list[tuple[str, torch.Tensor]], dat
     start = time.perf_counter()
     mine = prompts[state.process_index :: state.num_processes]
     with tqdm(total=len(mine), desc="recording traces", unit="prompt", disable=not state.is_local_main_process) as bar:
-        traces = record_traces(pair, mine, script.max_new_tokens, script.max_draft, out / "traces", script.resume, bar)
+        traces = record_traces(pair, mine, script.max_new_tokens, script.max_draft, out / "traces", script.resume, bar,
+                               script.record_batch_size)
     if state.num_processes > 1:
         state.wait_for_everyone()  # every share is on disk; each process reads all of them
         settings = trace_settings(pair, script.max_new_tokens, script.max_draft)
@@ -230,9 +293,20 @@ def train(args: RunArguments, pair, prompts: list[tuple[str, torch.Tensor]], dat
 
     hidden_size = pair.draft.config.get_text_config().hidden_size
     head, metrics, timings["training"] = fit_head(train_traces, eval_traces, hidden_size, args, out / "trainer")
-    no_pos = None
-    if script.ablate_position_embedding:  # every process trains (data-parallel), before the main-only steps
-        no_pos, _, _ = fit_head(train_traces, eval_traces, hidden_size, args, out / "trainer-no-position", False)
+    # ablation heads: every process trains them (data-parallel), before the main-only steps
+    variants = {}
+    if script.ablate_position_embedding:
+        variants["no position embedding"] = fit_head(train_traces, eval_traces, hidden_size, args,
+                                                     out / "trainer-no-position", use_position_embedding=False)[0]
+    if script.ablate_draft_features:
+        other = not script.head_draft_features
+        variants["with draft features" if other else "without draft features"] = fit_head(
+            train_traces, eval_traces, hidden_size, args, out / f"trainer-draft-features-{other}",
+            use_draft_features=other)[0]
+    for size in sorted(set(script.ablate_training_sizes)):
+        if size < len(train_traces):
+            variants[f"trained on {size} prompts"] = fit_head(train_traces[:size], eval_traces, hidden_size, args,
+                                                              out / f"trainer-{size}-prompts")[0]
     if not state.is_main_process:
         return {}
 
@@ -244,8 +318,12 @@ def train(args: RunArguments, pair, prompts: list[tuple[str, torch.Tensor]], dat
     head.config.block_size, head.config.threshold, head.config.growth = best.block_size, best.threshold, best.growth
     head.config.first_block_size = best.first_block_size
     ablations = rule_ablations(candidates)
-    if no_pos is not None:
-        ablations["no position embedding (re-tuned)"] = tune_pacer(no_pos, eval_traces, costs, script.max_draft)[0].speedup
+    ablations.update(cost_aware_ablations(head, eval_traces, costs, script.max_draft))
+    predictors = first_token_predictors(head, eval_traces)
+    for name, variant in variants.items():
+        first = first_token_predictors(variant, eval_traces)["head"]["auc"]
+        label = f"{name} (first-token AUC {first:.3f})"
+        ablations[f"{label}, cost-aware rule"] = cost_aware_speedup(variant, eval_traces, costs, script.max_draft)
     gamma, fixed_speedup = best_fixed_length(eval_traces, costs, script.max_draft)
     ablations[f"best fixed draft length, no head (gamma = {gamma})"] = fixed_speedup
     ablations["oracle"] = oracle_speedup(eval_traces, costs, script.max_draft)
@@ -262,14 +340,14 @@ def train(args: RunArguments, pair, prompts: list[tuple[str, torch.Tensor]], dat
     fields = card_fields(
         head, pair_name=pair.name, target=describe_source(pair.target_source), draft=draft_name,
         base_model=script.base_model, repo_id=script.push_to_hub_repo, metrics=metrics, tuned=best, ablations=ablations,
-        data_description=description, command=command,
+        predictors=predictors, data_description=description, command=command,
         training_time=f"{recording_time(out / 'traces', [pid for pid, _ in prompts])}, training {timings['training']:.0f} s, "
                       f"tuning {timings['tuning']:.0f} s on {torch.get_num_threads()} CPU threads",
     )
     folder = out / "head"
     head.save_pretrained(folder)
     render_card(folder, fields)
-    summary = dict(metrics=metrics, tuned=best.__dict__, ablations=ablations, timings=timings, costs=costs.to_dict(),
+    summary = dict(metrics=metrics, first_token_predictors=predictors, tuned=best.__dict__, ablations=ablations, timings=timings, costs=costs.to_dict(),
                    prompts=dict(train=len(train_traces), eval=len(eval_traces)), command=command,
                    top_candidates=[c.__dict__ for c in candidates[:10]], card=fields)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))

@@ -53,18 +53,38 @@ def acceptance_metrics(eval_prediction: EvalPrediction) -> dict[str, float]:
     )
 
 
+def _first_tokens(traces, scores_of):
+    """`(scores, labels)` over every draft start of greedy `traces` (the last position leaves no budget for
+    a draft): `scores_of(trace)` `(N, max_draft)`, column 0; label: the first draft token was accepted."""
+    scores = torch.cat([scores_of(t)[: t.length - 1, 0].float() for t in traces])
+    labels = torch.cat([t.match[: t.length - 1] >= 1 for t in traces])
+    return scores, labels
+
+
 def first_token_auc(head, traces) -> float:
     """AUC of the head's prediction for the first token of a draft, over every draft start of greedy
     `traces`. The pooled AUC over all draft positions is flattered by position alone (late tokens are
     rarely accepted); this one measures the decision that matters most: is drafting worth starting."""
     from ..replay import head_acceptance
 
-    scores, labels = [], []
-    for trace in traces:
-        starts = trace.length - 1  # the last position leaves no budget for a draft
-        scores.append(head_acceptance(head, trace)[:starts, 0])
-        labels.append(trace.match[:starts] >= 1)
-    return roc_auc(torch.cat(scores), torch.cat(labels))
+    return roc_auc(*_first_tokens(traces, lambda t: head_acceptance(head, t)))
+
+
+def first_token_predictors(head, traces) -> dict[str, dict[str, float]]:
+    """The head against what the draft knows without one, on the first token of every draft of `traces`:
+    AUC (ranking) and, for the two that are probabilities, ECE (calibration as P(accept))."""
+    from ..replay import head_acceptance
+
+    out = {}
+    for name, scores_of, probability in [
+        ("head", lambda t: head_acceptance(head, t), True),
+        ("draft probability", lambda t: t.token_probs, True),
+        ("draft entropy (lower ranks higher)", lambda t: -t.entropies, False),
+    ]:
+        scores, labels = _first_tokens(traces, scores_of)
+        out[name] = dict(auc=roc_auc(scores, labels),
+                         ece=expected_calibration_error(scores, labels) if probability else float("nan"))
+    return out
 
 
 class PacerTrainer(Trainer):
@@ -75,9 +95,11 @@ class PacerTrainer(Trainer):
         if args is None:
             args = PacerTrainingArguments(output_dir="pacer-head")
         if data_collator is None:
+            with_features = getattr(getattr(model, "config", None), "use_draft_features", False)
             data_collator = PackedDraftCollator(
                 max_tokens_per_row=args.max_tokens_per_row,
                 label_column="soft_labels" if args.soft_labels else "labels",
+                feature_column="features" if with_features else None,
             )
         super().__init__(model=model, args=args, data_collator=data_collator,
                          compute_metrics=compute_metrics or acceptance_metrics, **kwargs)

@@ -8,7 +8,7 @@ import itertools
 from dataclasses import dataclass
 
 from ..replay import CostModel, Trace, head_acceptance, oracle, replay
-from ..custom_generate.policies import FixedLength, Pacer
+from ..custom_generate.policies import ExpectedThroughput, FixedLength, Pacer
 
 BLOCK_SIZES = (1, 2, 3, 4, 5)
 # t0 = 1.0 stops at the first check unless the head is certain (p = 1.0 in float32): with the block and
@@ -80,4 +80,25 @@ def rule_ablations(candidates: list[Candidate]) -> dict[str, float]:
         at_b = [c.speedup for c in candidates if c.block_size == b]
         if at_b:
             out[f"block size {b}"] = max(at_b)
+    return out
+
+
+def cost_aware_speedup(head, traces: list[Trace], costs: CostModel, max_draft_length: int, block_size: int = 1) -> float:
+    """The cost-aware rule ([`ExpectedThroughput`]) with `head`'s cumulative predictions as the estimate
+    (checked every `block_size` tokens), replayed; with `head=None`, the draft's own token probabilities."""
+    if head is None:
+        return replayed_speedup(lambda: ExpectedThroughput(costs, "draft", max_draft_length), traces, costs,
+                                [None] * len(traces))
+    acceptance = [head_acceptance(head, t) for t in traces]
+    return replayed_speedup(lambda: ExpectedThroughput(costs, "head", max_draft_length, block_size), traces, costs,
+                            acceptance)
+
+
+def cost_aware_ablations(head, traces: list[Trace], costs: CostModel, max_draft_length: int) -> dict[str, float]:
+    """The cost-aware rule beside the paper's: with the head's estimate at block sizes 1-3, and with the
+    draft's own probabilities (no head)."""
+    out = {f"cost-aware rule (expected tokens/s), head estimate, block size {b}":
+           cost_aware_speedup(head, traces, costs, max_draft_length, b) for b in (1, 2, 3)}
+    out["cost-aware rule, draft probability estimate (no head)"] = cost_aware_speedup(None, traces, costs,
+                                                                                        max_draft_length)
     return out
