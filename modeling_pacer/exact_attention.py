@@ -18,8 +18,9 @@ Causality and sliding windows are applied by slicing the keys a row may see (a s
 keys lo_p..p, and so does row p of a block), never by masking with -inf over a width that depends on
 the block. Grouped-query attention maps each key/value head to its `num_key_value_groups` query heads
 without repeating keys per query head. The model's own 4-D mask (created through the mask function registered alongside)
-is read to find each row's visible keys, and a mask that is not a causal (or sliding-window) pattern, such
-as one with padding, is refused: PACER decodes batch size 1 without padding.
+is read to find each row's visible keys, and a mask that is not a causal (or sliding-window) pattern is
+refused. PACER decodes batch size 1 without padding; a left-padded batch (pacer-train records many prompts
+at once) is computed sequence by sequence, each row by the same ops on the same shapes as alone.
 
 Attention is not the only op whose rows depend on the call's shape: on CPU, `nn.Linear` (q/k/v/o
 projections, the MLP, the LM head) takes another code path for a single row than for a block, in bf16 and
