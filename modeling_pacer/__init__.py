@@ -28,6 +28,7 @@ from .custom_generate.policies import (
     StoppingPolicy,
     make_policy,
 )
+from .costs import CostModel, host_costs
 from .exact_attention import exact_linears, make_exact  # importing registers attn_implementation="pacer_exact"
 from .modeling_pacer import PacerHead, PacerHeadOutput
 
@@ -48,6 +49,7 @@ __all__ = [
     "POLICIES",
     "SVIP",
     "Confidence",
+    "CostModel",
     "DecodeStep",
     "DraftView",
     "ExpectedThroughput",
@@ -64,6 +66,7 @@ __all__ = [
     "enable_pacer",
     "exact_linears",
     "generate",
+    "host_costs",
     "make_exact",
     "make_policy",
     "pacer_decoding",

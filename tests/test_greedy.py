@@ -91,6 +91,27 @@ def test_pacer_head_alone_uses_its_config():
         assert step.drafted <= 10
 
 
+def test_cost_aware_head_alone_uses_its_rule_and_this_machines_costs(tmp_path, monkeypatch):
+    """A head whose config says stopping_rule="throughput" runs the cost-aware rule with no policy given: with
+    the costs passed, or measured once on this machine and cached; `stopping_policy="pacer"` still picks the
+    paper's block rule. Always the target's own output."""
+    monkeypatch.setenv("PACER_CACHE", str(tmp_path / "cache"))
+    target, draft = make_pair("llama", "llama", "noisy")
+    head = make_head(draft, max_draft_length=10, stopping_rule="throughput")
+    ids = _prompts()[1]
+    expected = target.generate(ids, max_new_tokens=40).tolist()
+    flat = CostModel({n: 1.0 for n in range(1, 12)}, 0.05, 0.01)
+    for costs in (flat, None):
+        out = target.generate(ids, assistant_model=draft, pacer_head=head, pacer_costs=costs, max_new_tokens=40,
+                              return_dict_in_generate=True)
+        assert out.sequences.tolist() == expected
+        assert out.pacer_stats.policy.startswith("ExpectedThroughput(estimate='head'")
+    assert list((tmp_path / "cache" / "costs").glob("*.json"))  # measured here once, kept for the next call
+    out = target.generate(ids, assistant_model=draft, pacer_head=head, stopping_policy="pacer", max_new_tokens=40,
+                          return_dict_in_generate=True)
+    assert out.sequences.tolist() == expected and out.pacer_stats.policy.startswith("Pacer(")
+
+
 def test_same_weights_draft_accepts_everything():
     target, draft = make_pair("llama", "llama", "same")
     ids = _prompts()[2]

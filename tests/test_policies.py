@@ -1,8 +1,9 @@
 """The stopping rules themselves, fed hand-made head predictions (no models)."""
 
+import pytest
 import torch
 
-from modeling_pacer import Pacer
+from modeling_pacer import ExpectedThroughput, Pacer
 from modeling_pacer.custom_generate.policies import DraftView
 
 
@@ -45,3 +46,20 @@ def test_pacer_first_block():
     # first_block_size equal to block_size is the paper's rule
     for p in (acceptance, low, high):
         assert _stop_length(Pacer(2, 0.6, 1.1, 8, first_block_size=2), p) == _stop_length(Pacer(2, 0.6, 1.1, 8), p)
+
+
+def test_head_default_rule_follows_its_config():
+    from modeling_pacer import PacerConfig, make_policy
+    from modeling_pacer.costs import CostModel
+
+    costs = CostModel({n: 1.0 for n in range(1, 10)}, 0.1)
+    blocks = PacerConfig(draft_hidden_size=8, max_draft_length=8)
+    cost_aware = PacerConfig(draft_hidden_size=8, max_draft_length=8, stopping_rule="throughput")
+    assert isinstance(make_policy(None, blocks, costs), Pacer)
+    policy = make_policy(None, cost_aware, costs)
+    assert isinstance(policy, ExpectedThroughput) and policy.needs_head and policy.max_draft_length == 8
+    assert isinstance(make_policy("pacer", cost_aware, costs), Pacer)  # named: the paper's rule
+    with pytest.raises(ValueError, match="pacer_costs=modeling_pacer.host_costs"):
+        make_policy(None, cost_aware)
+    with pytest.raises(ValueError, match="stopping_rule must be 'blocks' or 'throughput'"):
+        PacerConfig(draft_hidden_size=8, stopping_rule="fastest")

@@ -80,6 +80,9 @@ def test_train_end_to_end_and_push(tmp_path):
     assert 0.0 <= summary["metrics"]["eval_auc"] <= 1.0
     assert 0.0 <= summary["metrics"]["eval_auc_first_token"] <= 1.0
     assert summary["ablations"]["oracle"] >= summary["ablations"]["tuned"] - 1e-9
+    # the head's default rule is whichever replayed faster: the paper's tuned blocks or the cost-aware rule
+    cost_aware = summary["ablations"]["cost-aware rule (expected tokens/s), head estimate, block size 1"]
+    assert head.config.stopping_rule == ("throughput" if cost_aware > summary["ablations"]["tuned"] else "blocks")
     fixed = [v for k, v in summary["ablations"].items() if k.startswith("best fixed draft length, no head")]
     assert len(fixed) == 1 and fixed[0] <= summary["ablations"]["oracle"] + 1e-9
     assert len(list((tmp_path / "run" / "traces").glob("*.seconds"))) == 6  # each trace's recording time is kept

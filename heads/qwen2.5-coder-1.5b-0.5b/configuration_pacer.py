@@ -41,6 +41,12 @@ class PacerConfig(PreTrainedConfig):
             forward, 4-6 about two), so the first block can fill the first stair, which is nearly free,
             and later blocks end at the tops of the next ones. Tuned with the other rule parameters on
             the pair's measured cost curve.
+        stopping_rule (`str`): the head's default rule. `"blocks"`: the rule above (the paper's, with
+            `block_size`, `threshold`, `growth`, `first_block_size`). `"throughput"`: the cost-aware rule
+            (`ExpectedThroughput` with the head's estimate, read after every drafted token): keep drafting while
+            a longer draft is expected to emit more tokens per second, with the cost curve measured on the
+            generating machine (`modeling_pacer.host_costs`); it can also decide that one more token does not pay.
+            `pacer-train` sets whichever replays faster on its held-out prompts.
         use_position_embedding (`bool`): add the learned draft-position embedding (an ablation switch).
         use_draft_features (`bool`): also read, per draft token, the draft's probability of the token it drafted and
             the entropy (nats) of the distribution it drafted from (`draft_features` in `forward`): the draft's own
@@ -60,6 +66,7 @@ class PacerConfig(PreTrainedConfig):
     threshold: int | float = 0.5
     growth: int | float = 1.1
     first_block_size: int = 0
+    stopping_rule: str = "blocks"
     use_position_embedding: bool = True
     use_draft_features: bool = False
     dropout: int | float = 0.0
@@ -110,6 +117,8 @@ class PacerConfig(PreTrainedConfig):
                 f"PacerConfig.first_block_size must lie in [0, max_draft_length ({self.max_draft_length})] "
                 f"(0: equal to block_size), got {self.first_block_size}."
             )
+        if self.stopping_rule not in ("blocks", "throughput"):
+            raise ValueError(f"PacerConfig.stopping_rule must be 'blocks' or 'throughput', got {self.stopping_rule!r}.")
         if not 0.0 <= self.threshold <= 1.0:
             raise ValueError(f"PacerConfig.threshold must lie in [0, 1], got {self.threshold}.")
         if self.growth < 1.0:

@@ -448,6 +448,17 @@ def _check_inputs(model, draft_model, head, policy, input_ids, generation_config
     _check_cache(draft_model, None)
 
 
+def _host_costs(model, draft_model, head):
+    """This machine's cost model for a head whose default rule is cost-aware: measured once per host and
+    models, then read from pacer's cache (`modeling_pacer.host_costs`), when the pacer package is installed;
+    None otherwise (`make_policy` then says what to pass)."""
+    try:
+        from modeling_pacer.costs import host_costs
+    except ImportError:
+        return None
+    return host_costs(model, draft_model, head, max_tokens=head.config.max_draft_length + 1)
+
+
 def _own_copy(policy):
     """A copy of a policy instance for one `generate` call: calls adapt their own state, so one instance can
     serve concurrent calls. Modules it holds (a learned scorer, say) are shared, not copied."""
@@ -466,6 +477,7 @@ def pacer_decoding(
     stopping_policy: "str | StoppingPolicy | None" = None,
     pacer_streamer=None,
     pacer_step_callback=None,
+    pacer_costs=None,
     **model_kwargs,
 ):
     """The decoding loop, in the shape of transformers' `custom_generate` callables: `generate`
@@ -483,7 +495,9 @@ def pacer_decoding(
     `return_dict_in_generate=True`.
     """
     head_config = getattr(pacer_head, "config", None)
-    policy = make_policy(stopping_policy, head_config)
+    if pacer_costs is None and stopping_policy is None and getattr(head_config, "stopping_rule", None) == "throughput":
+        pacer_costs = _host_costs(model, draft_model, pacer_head)
+    policy = make_policy(stopping_policy, head_config, pacer_costs)
     if policy is stopping_policy:
         policy = _own_copy(policy)
     _check_inputs(model, draft_model, pacer_head, policy, input_ids, generation_config, model_kwargs)
@@ -584,13 +598,14 @@ def _stop_strings_as_criteria(model, generation_config, stopping_criteria, kwarg
 def generate(*args, model=None, **kwargs):
     """`model.generate` with PACER: `generate(model, ids, assistant_model=draft, pacer_head=head, ...)`.
 
-    The arguments are `GenerationMixin.generate`'s, plus `pacer_head` (a `PacerHead`) and
-    `stopping_policy` (a [`StoppingPolicy`] or a name from `POLICIES`; default PACER with the head's
-    config; an instance is copied for the call and left unmodified, the adapted copy is returned as
+    The arguments are `GenerationMixin.generate`'s, plus `pacer_head` (a `PacerHead`),
+    `stopping_policy` (a [`StoppingPolicy`] or a name from `POLICIES`; default the head's own rule, its
+    config's `stopping_rule`; an instance is copied for the call and left unmodified, the adapted copy is returned as
     `out.pacer_policy` with `return_dict_in_generate=True`). With neither of the two this is plain `GenerationMixin.generate` (transformers' own
     assisted generation when `assistant_model` is given). Otherwise transformers prepares everything
     as usual and runs [`pacer_decoding`]; `assistant_model` and `streamer` travel under other names
-    because transformers passes neither to a `custom_generate` callable.
+    because transformers passes neither to a `custom_generate` callable. `pacer_costs`: this machine's
+    `CostModel` for a head whose rule is cost-aware (default: measured once and cached, `host_costs`).
 
     The model comes first, or as the keyword `model`: transformers binds a repo's
     `custom_generate/generate.py` as `functools.partial(generate, model=model)` and calls it with the
@@ -629,6 +644,7 @@ def _generate(
     pacer_head=None,
     stopping_policy: "str | StoppingPolicy | None" = None,
     pacer_step_callback=None,
+    pacer_costs=None,
     **kwargs,
 ):
     plain = dict(
@@ -660,6 +676,7 @@ def _generate(
         stopping_policy=stopping_policy,
         pacer_streamer=streamer,
         pacer_step_callback=pacer_step_callback,
+        pacer_costs=pacer_costs,
         **plain,
         **kwargs,
     )

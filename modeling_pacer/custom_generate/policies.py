@@ -321,14 +321,23 @@ POLICIES: dict[str, type[StoppingPolicy]] = {
 }
 
 
-def make_policy(policy: "str | StoppingPolicy | None", head_config=None) -> StoppingPolicy:
-    """A policy instance from an instance, a name in `POLICIES`, or `None` (PACER with the head's defaults)."""
+def make_policy(policy: "str | StoppingPolicy | None", head_config=None, costs=None) -> StoppingPolicy:
+    """A policy instance from an instance, a name in `POLICIES`, or `None` (the head's default rule: PACER's
+    blocks, or the cost-aware rule with `costs`, this machine's cost model, when its `stopping_rule` says so)."""
     # duck-typed: a copy of this module loaded as remote code defines its own (equal) classes
     if all(hasattr(policy, attr) for attr in ("begin_step", "stop_reason", "update", "reset", "needs_head")):
         return policy
     if policy is None or policy == Pacer.name:
         if head_config is None:
             raise ValueError("The PACER policy needs a head: pass `pacer_head=PacerHead(...)`.")
+        if policy is None and getattr(head_config, "stopping_rule", "blocks") == "throughput":
+            if costs is None:
+                raise ValueError(
+                    "This head's default stopping rule is cost-aware (stopping_rule='throughput') and needs this "
+                    "machine's cost model: pass pacer_costs=modeling_pacer.host_costs(target, draft, head), or choose "
+                    "another rule with stopping_policy=... (e.g. 'pacer' for the paper's block rule)."
+                )
+            return ExpectedThroughput(costs, "head", head_config.max_draft_length)  # the head read at every token
         return Pacer.from_config(head_config)
     if isinstance(policy, str) and policy in POLICIES:
         return POLICIES[policy]()

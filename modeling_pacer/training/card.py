@@ -78,7 +78,7 @@ def card_fields(head, *, pair_name, target, draft, base_model, repo_id, metrics,
     return dict(
         base_model=base_model, repo_id=repo_id or "org/pacer-head", pair_name=pair_name, target=target, draft=draft,
         block_size=tuned.block_size, threshold=tuned.threshold, growth=tuned.growth,
-        first_block_size=tuned.first_block_size,
+        first_block_size=tuned.first_block_size, stopping_rule=getattr(head.config, "stopping_rule", "blocks"),
         max_draft_length=head.config.max_draft_length, data_description=data_description,
         eval_tokens=metrics.get("eval_tokens", "–"), auc=_fmt(metrics.get("eval_auc")),
         auc_first_token=_fmt(metrics.get("eval_auc_first_token")),

@@ -265,8 +265,8 @@ def train(args: RunArguments, pair, prompts: list[tuple[str, torch.Tensor]], dat
 
     from ..costs import host_costs
     from .trainer import first_token_predictors
-    from .tuning import (best_fixed_length, cost_aware_ablations, cost_aware_speedup, oracle_speedup, rule_ablations,
-                         tune_pacer)
+    from .tuning import (best_fixed_length, cost_aware_ablations, cost_aware_label, cost_aware_speedup, oracle_speedup,
+                         rule_ablations, tune_pacer)
 
     script = args.script
     state = _process_state(args.training.use_cpu)
@@ -318,7 +318,10 @@ def train(args: RunArguments, pair, prompts: list[tuple[str, torch.Tensor]], dat
     head.config.block_size, head.config.threshold, head.config.growth = best.block_size, best.threshold, best.growth
     head.config.first_block_size = best.first_block_size
     ablations = rule_ablations(candidates)
-    ablations.update(cost_aware_ablations(head, eval_traces, costs, script.max_draft))
+    cost_aware = cost_aware_ablations(head, eval_traces, costs, script.max_draft)
+    ablations.update(cost_aware)
+    if cost_aware[cost_aware_label(1)] > best.speedup:  # the head's default: whichever replays faster
+        head.config.stopping_rule = "throughput"
     predictors = first_token_predictors(head, eval_traces)
     for name, variant in variants.items():
         first = first_token_predictors(variant, eval_traces)["head"]["auc"]

@@ -94,11 +94,18 @@ def cost_aware_speedup(head, traces: list[Trace], costs: CostModel, max_draft_le
                             acceptance)
 
 
+COST_AWARE_BLOCKS = (1, 2, 3)  # how often the cost-aware rule reads the head
+
+
+def cost_aware_label(block_size: int) -> str:
+    return f"cost-aware rule (expected tokens/s), head estimate, block size {block_size}"
+
+
 def cost_aware_ablations(head, traces: list[Trace], costs: CostModel, max_draft_length: int) -> dict[str, float]:
     """The cost-aware rule beside the paper's: with the head's estimate at block sizes 1-3, and with the
     draft's own probabilities (no head)."""
-    out = {f"cost-aware rule (expected tokens/s), head estimate, block size {b}":
-           cost_aware_speedup(head, traces, costs, max_draft_length, b) for b in (1, 2, 3)}
+    out = {cost_aware_label(b): cost_aware_speedup(head, traces, costs, max_draft_length, b)
+           for b in COST_AWARE_BLOCKS if b <= max_draft_length}
     out["cost-aware rule, draft probability estimate (no head)"] = cost_aware_speedup(None, traces, costs,
                                                                                         max_draft_length)
     return out
