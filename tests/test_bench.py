@@ -36,6 +36,20 @@ def setup():
     return SimpleNamespace(pair=SimpleNamespace(target=target, draft=draft), head=head, prompts=prompts)
 
 
+def test_pacer_method_is_the_heads_own_rule():
+    from modeling_pacer import ExpectedThroughput, PacerConfig
+    from modeling_pacer.custom_generate.policies import Pacer
+
+    costs = CostModel({n: 1.0 for n in range(1, 20)}, 0.1, 0.01)
+    blocks = all_methods(head_config=PacerConfig(draft_hidden_size=8, max_draft_length=8), costs=costs)
+    assert isinstance(blocks["pacer"].make_policy(), Pacer) and isinstance(blocks["pacer-blocks"].make_policy(), Pacer)
+    cost_aware = all_methods(head_config=PacerConfig(draft_hidden_size=8, max_draft_length=8, stopping_rule="throughput"),
+                             costs=costs)
+    policy = cost_aware["pacer"].make_policy()
+    assert isinstance(policy, ExpectedThroughput) and policy.costs is costs and policy.estimate == "head"
+    assert isinstance(cost_aware["pacer-blocks"].make_policy(), Pacer)
+
+
 def test_select_methods_globs():
     available = all_methods()
     names = [m.name for m in select_methods(["target", "fixed-*"], available)]

@@ -19,6 +19,7 @@ from ..custom_generate.policies import (
     Pacer,
     SpecDecPP,
     StoppingPolicy,
+    make_policy,
 )
 
 
@@ -66,7 +67,8 @@ def _ours(name: str, policy: Callable[..., StoppingPolicy], needs_head: bool = F
 
 
 def all_methods(gammas=(1, 2, 3, 4, 5, 6), head_config=None, costs=None) -> dict[str, Method]:
-    """Every method by name. PACER and SpecDec++ use the head's tuned rule where one is given; the
+    """Every method by name. `pacer` is the head's default rule (its config's `stopping_rule`: the tuned block
+    rule, `pacer-blocks`, or the cost-aware one, `pacer-throughput`); SpecDec++ uses the head's length cap; the
     cost-aware rules (`throughput`: the draft's probabilities, `pacer-throughput`: the head's predictions)
     use `costs`, this machine's measured cost model."""
     longest = head_config.max_draft_length if head_config else 16
@@ -82,7 +84,10 @@ def all_methods(gammas=(1, 2, 3, 4, 5, 6), head_config=None, costs=None) -> dict
         _ours("svip", lambda: SVIP()),
         _ours("specdec++", lambda: SpecDecPP(max_draft_length=head_config.max_draft_length if head_config else 16),
               needs_head=True),
-        _ours("pacer", lambda: Pacer.from_config(head_config), needs_head=True),
+        # the head's own default rule (its config's stopping_rule), and the paper's block rule by name
+        _ours("pacer", lambda *c: make_policy(None, head_config, *c), needs_head=True, costs=costs,
+              needs_costs=getattr(head_config, "stopping_rule", "blocks") == "throughput"),
+        _ours("pacer-blocks", lambda: Pacer.from_config(head_config), needs_head=True),
         _ours("throughput", lambda c: ExpectedThroughput(c, "draft", longest), costs=costs, needs_costs=True),
         _ours("pacer-throughput", lambda c: ExpectedThroughput(c, "head", longest), needs_head=True, costs=costs,
               needs_costs=True),
