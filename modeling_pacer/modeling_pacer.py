@@ -211,6 +211,13 @@ class PacerHead(PacerPreTrainedModel):
             blocked = (~allowed).repeat_interleave(self.config.num_attention_heads, dim=0)
         x = self.layer(x, src_mask=blocked)
         logits = self.classifier(self.norm(x)).squeeze(-1)
+        if self.config.draft_prior:
+            # the draft's own estimate of P(tokens 0..i of this draft all accepted), the product of its token
+            # probabilities over the draft so far (the same causal, per-draft mask as the attention), as a logit:
+            # the head learns a correction to it
+            log_p = torch.log(draft_features[..., 0].float().clamp(1e-6, 1.0))
+            cumulative = (allowed.float() @ log_p.unsqueeze(-1)).squeeze(-1).clamp(max=-1e-6)
+            logits = logits.float() + cumulative - torch.log(-torch.expm1(cumulative))
 
         loss = acceptance_loss(logits, labels) if labels is not None else None
         return PacerHeadOutput(loss=loss, logits=logits)

@@ -19,13 +19,13 @@ from modeling_pacer import PacerConfig, PacerHead
 OUTPUTS = dict(rtol=1e-5, atol=1e-6)
 
 
-def assert_same_head(loaded, original, x):
+def assert_same_head(loaded, original, x, **inputs):
     """Bitwise-equal weights, and outputs equal up to float32 summation order."""
     theirs, ours = loaded.state_dict(), original.state_dict()
     assert theirs.keys() == ours.keys()
     for name, tensor in ours.items():
         assert torch.equal(theirs[name], tensor), name
-    torch.testing.assert_close(loaded(x).logits, original(x).logits, **OUTPUTS)
+    torch.testing.assert_close(loaded(x, **inputs).logits, original(x, **inputs).logits, **OUTPUTS)
 
 
 SMALL = dict(draft_hidden_size=24, hidden_size=16, num_attention_heads=2, intermediate_size=32, max_draft_length=8)
@@ -208,7 +208,34 @@ def test_committed_heads_load_both_ways_identically():
         folder = config_file.parent
         local = PacerHead.from_pretrained(folder).eval()
         remote = AutoModel.from_pretrained(folder, trust_remote_code=True).eval()
-        x = torch.randn(1, 5, local.config.draft_hidden_size, generator=torch.Generator().manual_seed(0))
-        assert_same_head(remote, local, x)
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(1, 5, local.config.draft_hidden_size, generator=g)
+        features = torch.rand(1, 5, 2, generator=g) if local.config.use_draft_features else None
+        assert_same_head(remote, local, x, draft_features=features)
         card = (folder / "README.md").read_text()
         assert card.startswith("---\n") and "library_name: transformers" in card and "pacer-train" in card
+
+
+def test_draft_prior_head_starts_from_the_drafts_cumulative_probability():
+    """With `draft_prior`, a head whose own output is zero predicts exactly the product of the draft's token
+    probabilities over the draft so far, restarting with every draft packed in a training row."""
+    torch.manual_seed(0)
+    head = PacerHead(PacerConfig(draft_hidden_size=8, hidden_size=16, num_attention_heads=2, intermediate_size=32,
+                                 max_draft_length=8, use_draft_features=True, draft_prior=True)).eval()
+    with torch.no_grad():
+        head.classifier.weight.zero_()
+        head.classifier.bias.zero_()
+    p = torch.tensor([[0.9, 0.5, 0.8, 0.3, 0.6]])
+    features = torch.stack([p, torch.rand(1, 5)], -1)
+    predicted = head.acceptance_probabilities(torch.randn(1, 5, 8), draft_features=features)
+    torch.testing.assert_close(predicted, torch.cumprod(p, -1), atol=1e-5, rtol=1e-4)
+    # two drafts packed in one row (3 + 2 tokens): the product restarts with the second
+    mask = torch.zeros(1, 5, 5, dtype=torch.bool)
+    mask[0, :3, :3] = torch.ones(3, 3, dtype=torch.bool).tril()
+    mask[0, 3:, 3:] = torch.ones(2, 2, dtype=torch.bool).tril()
+    logits = head(torch.randn(1, 5, 8), draft_positions=torch.tensor([[0, 1, 2, 0, 1]]), attention_mask=mask,
+                  draft_features=features).logits
+    expected = torch.cat([torch.cumprod(p[:, :3], -1), torch.cumprod(p[:, 3:], -1)], -1)
+    torch.testing.assert_close(torch.sigmoid(logits), expected, atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="draft_prior needs use_draft_features"):
+        PacerConfig(draft_hidden_size=8, draft_prior=True)

@@ -52,6 +52,9 @@ class PacerConfig(PreTrainedConfig):
             the entropy (nats) of the distribution it drafted from (`draft_features` in `forward`): the draft's own
             confidence is a strong acceptance signal, which the hidden states carry only implicitly. Off by default,
             as for heads trained before it existed.
+        draft_prior (`bool`): add the logit of the draft's own cumulative estimate (the product of its token
+            probabilities over the draft so far) to the head's output, so that the head starts from what the draft
+            knows and learns a correction to it. Needs `use_draft_features`.
         dropout (`float`): dropout inside the head during training.
     """
 
@@ -69,6 +72,7 @@ class PacerConfig(PreTrainedConfig):
     stopping_rule: str = "blocks"
     use_position_embedding: bool = True
     use_draft_features: bool = False
+    draft_prior: bool = False
     dropout: int | float = 0.0
     initializer_range: float = 0.02
 
@@ -117,6 +121,8 @@ class PacerConfig(PreTrainedConfig):
                 f"PacerConfig.first_block_size must lie in [0, max_draft_length ({self.max_draft_length})] "
                 f"(0: equal to block_size), got {self.first_block_size}."
             )
+        if self.draft_prior and not self.use_draft_features:
+            raise ValueError("PacerConfig.draft_prior needs use_draft_features=True (it reads the draft's probabilities).")
         if self.stopping_rule not in ("blocks", "throughput"):
             raise ValueError(f"PacerConfig.stopping_rule must be 'blocks' or 'throughput', got {self.stopping_rule!r}.")
         if not 0.0 <= self.threshold <= 1.0:

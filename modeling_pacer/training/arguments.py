@@ -72,6 +72,11 @@ class PacerTrainScriptArguments:
         metadata={"help": "let the head also read the draft's probability of each drafted token and the entropy it "
                           "was drafted from (its own confidence), beside its hidden states"},
     )
+    head_draft_prior: bool = field(
+        default=False, metadata={"help": "with --head-draft-features: the head's output corrects the draft's own "
+                                         "cumulative estimate (the product of its token probabilities) instead of "
+                                         "predicting from scratch"},
+    )
     ablate_position_embedding: bool = field(
         default=False, metadata={"help": "also train a head without draft-position embeddings, for the card's ablation"},
     )
@@ -126,6 +131,8 @@ class PacerTrainScriptArguments:
                "(each attention head takes an equal share of the width).")
         _check(all(size >= 1 for size in self.ablate_training_sizes),
                f"--ablate-training-sizes must be positive prompt counts, got {self.ablate_training_sizes}.")
+        _check(not self.head_draft_prior or self.head_draft_features,
+               "--head-draft-prior needs --head-draft-features (it reads the draft's probabilities).")
         _check(0 <= self.head_dropout < 1, f"--head-dropout must lie in [0, 1), got {self.head_dropout}.")
         if self.push_to_hub_repo is not None:
             from huggingface_hub.utils import validate_repo_id

@@ -195,7 +195,7 @@ def head_config(script, draft_hidden_size: int, **overrides):
     fields = dict(
         draft_hidden_size=draft_hidden_size, hidden_size=script.head_hidden_size, num_attention_heads=script.head_heads,
         intermediate_size=script.head_intermediate_size, max_draft_length=script.max_draft, dropout=script.head_dropout,
-        use_draft_features=script.head_draft_features,
+        use_draft_features=script.head_draft_features, draft_prior=script.head_draft_prior,
     )
     return PacerConfig(**{**fields, **overrides})
 
@@ -302,7 +302,7 @@ def train(args: RunArguments, pair, prompts: list[tuple[str, torch.Tensor]], dat
         other = not script.head_draft_features
         variants["with draft features" if other else "without draft features"] = fit_head(
             train_traces, eval_traces, hidden_size, args, out / f"trainer-draft-features-{other}",
-            use_draft_features=other)[0]
+            use_draft_features=other, draft_prior=False)[0]
     for size in sorted(set(script.ablate_training_sizes)):
         if size < len(train_traces):
             variants[f"trained on {size} prompts"] = fit_head(train_traces[:size], eval_traces, hidden_size, args,
