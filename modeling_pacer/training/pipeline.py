@@ -99,10 +99,11 @@ def record_traces(pair, prompts: list[tuple[str, torch.Tensor]], max_new_tokens:
     rerun resumes; the seconds each took are kept beside it (`ID.seconds`: its share of its batch's
     generation, by tokens, plus its own trace) so that a resumed run still reports them.
 
-    An exact target generates `batch_size` prompts at a time ([`greedy_outputs`]) and its outputs are its greedy choices, so the trace needs no target forward.
-    Any other target (e.g. 8-bit bitsandbytes, not row-invariant) decodes each prompt alone with our
-    lossless loop, and `record_trace` computes its choices. `progress`: a tqdm bar, advanced per prompt, its
-    postfix the generated tokens per second so far."""
+    An exact target generates `batch_size` prompts at a time ([`greedy_outputs`]) and its outputs are its
+    greedy choices, so the trace needs no target forward. Any other target (e.g. 8-bit bitsandbytes, not
+    row-invariant) decodes each prompt alone with our lossless loop, and `record_trace` computes its choices.
+    `progress`: a tqdm bar, advanced per prompt, its postfix the target tokens recorded per second so far
+    (generation and labels together)."""
     from ..custom_generate.generate import generate
     from ..custom_generate.policies import FixedLength
     from ..replay import record_trace, save_traces
