@@ -265,7 +265,7 @@ def train(args: RunArguments, pair, prompts: list[tuple[str, torch.Tensor]], dat
     from tqdm.auto import tqdm
 
     from ..costs import host_costs
-    from .trainer import first_token_predictors
+    from .trainer import first_token_auc, first_token_predictors
     from .tuning import (best_fixed_length, cost_aware_ablations, cost_aware_label, cost_aware_speedup, oracle_speedup,
                          rule_ablations, tune_pacer)
 
@@ -325,7 +325,7 @@ def train(args: RunArguments, pair, prompts: list[tuple[str, torch.Tensor]], dat
         head.config.stopping_rule = "throughput"
     predictors = first_token_predictors(head, eval_traces)
     for name, variant in variants.items():
-        first = first_token_predictors(variant, eval_traces)["head"]["auc"]
+        first = first_token_auc(variant, eval_traces)  # the draft's own predictors do not change with the head
         label = f"{name} (first-token AUC {first:.3f})"
         ablations[f"{label}, cost-aware rule"] = cost_aware_speedup(variant, eval_traces, costs, script.max_draft)
     gamma, fixed_speedup = best_fixed_length(eval_traces, costs, script.max_draft)
