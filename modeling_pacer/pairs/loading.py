@@ -34,6 +34,7 @@ class LoadedPair:
     dtype: torch.dtype = torch.float32  # the target's
     exact: bool = False  # the target's verification is bitwise row-invariant (`make_exact`)
     quantize_target: str | None = None  # the target's weight-only quantization (TARGET_QUANTIZATIONS), if any
+    aligned_draft: str | None = None  # the LoRA adapter merged into the draft (`load_pair(aligned_draft=...)`), if any
 
     @property
     def setting(self) -> str:
@@ -44,7 +45,7 @@ class LoadedPair:
 
     def describe(self) -> str:
         """One line for reports: the pair, the target's dtype and whether its verification is exact."""
-        return f"{self.name}, target {self.setting}"
+        return f"{self.name}, target {self.setting}" + (f", draft aligned by {self.aligned_draft}" if self.aligned_draft else "")
 
 
 def resolve_pair(name_or_target: str | os.PathLike | PairSpec, draft=None) -> PairSpec:
@@ -165,6 +166,7 @@ def load_pair(
     quantize_target: str | None = None,
     exact: bool = True,
     load_in_8bit_target: bool = False,
+    aligned_draft: str | os.PathLike | None = None,
     pacer_cache: str | os.PathLike | None = None,
     **kwargs,
 ) -> LoadedPair:
@@ -190,6 +192,9 @@ def load_pair(
             ([`modeling_pacer.make_exact`]), so greedy speculative decoding reproduces the target's own
             output exactly; the target alone runs the same function. Not with `load_in_8bit_target`.
         load_in_8bit_target: load the target with bitsandbytes 8-bit weights (bitsandbytes runs on CPU).
+        aligned_draft: a LoRA adapter of the draft (a folder or Hub repo id, as `pacer-train align` writes
+            it): merged into the draft's weights before any `quantize_draft`, so the aligned draft runs as
+            fast as the plain one. Only speed changes: the target decides every token.
         pacer_cache: pacer cache (default `$PACER_CACHE` or `~/.cache/pacer`), used by registry GGUF pairs.
             (Named so that `cache_dir`, the Hub download cache, can still reach `from_pretrained`.)
         kwargs: more `from_pretrained` arguments for both models (e.g. `attn_implementation`, `cache_dir`);
@@ -232,7 +237,23 @@ def load_pair(
         make_exact(target)
     seconds["target"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    draft_model = load_model(spec.draft, dtype=draft_dtype, **common, **kwargs)
+    draft_model = load_draft(spec.draft, draft_dtype, quantize_draft, aligned_draft, **common, **kwargs)
+    seconds["draft"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    tokenizer = load_tokenizer(spec.target, pacer_cache, pair_name=spec.name)
+    seconds["tokenizer"] = time.perf_counter() - t0
+    return LoadedPair(target, draft_model, tokenizer, spec.name, spec.target, spec.draft, seconds, dtype, exact,
+                      quantize_target, None if aligned_draft is None else str(aligned_draft))
+
+
+def load_draft(source: ModelSource | str, dtype: torch.dtype, quantize_draft: str | None = None,
+               aligned_draft: str | os.PathLike | None = None, **kwargs) -> torch.nn.Module:
+    """A draft as `load_pair` makes it: loaded in `dtype`, the `aligned_draft` adapter merged in, then its
+    Linear layers quantized (`quantize_draft`: one of DRAFT_QUANTIZATIONS, or None). `kwargs` go to
+    `load_model`."""
+    draft_model = load_model(source, dtype=dtype, **kwargs)
+    if aligned_draft is not None:
+        draft_model = merge_adapter(draft_model, aligned_draft)
     if quantize_draft:
         if any(p.device.type != "cpu" for p in draft_model.parameters()):
             raise ValueError("quantize_draft runs on CPU only (torch's int8/int4 kernels); the draft was placed elsewhere")
@@ -242,12 +263,25 @@ def load_pair(
             from ..quantization import quantize_linears
 
             draft_model = quantize_linears(draft_model, "int4")
-    seconds["draft"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    tokenizer = load_tokenizer(spec.target, pacer_cache, pair_name=spec.name)
-    seconds["tokenizer"] = time.perf_counter() - t0
-    return LoadedPair(target, draft_model, tokenizer, spec.name, spec.target, spec.draft, seconds, dtype, exact,
-                      quantize_target)
+    return draft_model
+
+
+def merge_adapter(model: torch.nn.Module, adapter: str | os.PathLike) -> torch.nn.Module:
+    """`model` with the peft adapter `adapter` (folder or Hub repo id) merged into its weights, in eval mode.
+
+    Raises ValueError when `adapter` is no adapter, or one made for a model of another shape."""
+    from peft import PeftConfig, PeftModel
+
+    try:
+        config = PeftConfig.from_pretrained(str(adapter))
+    except (OSError, ValueError) as error:
+        raise ValueError(f"aligned_draft {adapter}: no peft adapter there (adapter_config.json): {error}") from None
+    try:
+        merged = PeftModel.from_pretrained(model, str(adapter), config=config).merge_and_unload()
+    except (RuntimeError, ValueError, KeyError) as error:  # e.g. a size mismatch: an adapter of another model
+        raise ValueError(f"aligned_draft {adapter} does not fit this draft ({type(model).__name__}, "
+                         f"hidden size {model.config.get_text_config().hidden_size}): {error}") from None
+    return merged.eval()
 
 
 def _check_draft_quantization(quantize_draft) -> str | None:
@@ -322,6 +356,11 @@ class PairArguments:
         default=True,
         metadata={"help": "bitwise-exact verification (make_exact on the target); --no-exact turns it off"},
     )
+    aligned_draft: str | None = field(
+        default=None,
+        metadata={"help": "a LoRA adapter of the draft (folder or Hub repo id, from `pacer-train align`), merged "
+                          "into it before any --quantize-draft", "metavar": "ADAPTER"},
+    )
 
     def __post_init__(self):
         try:  # a recipe's `quantize_draft: true` is int8, the flag's meaning before int4 drafts existed
@@ -357,7 +396,7 @@ def add_pair_arguments(parser: argparse.ArgumentParser) -> None:
     argparse parser, from [`PairArguments`]."""
     for f in dataclasses.fields(PairArguments):
         flag = "--" + f.name.replace("_", "-")
-        extra = {k: f.metadata[k] for k in ("choices", "nargs", "const") if k in f.metadata}
+        extra = {k: f.metadata[k] for k in ("choices", "nargs", "const", "metavar") if k in f.metadata}
         if f.type in (bool, "bool") and f.default is True:
             parser.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_false", help=f.metadata["help"])
         elif f.type in (bool, "bool"):
@@ -369,7 +408,8 @@ def add_pair_arguments(parser: argparse.ArgumentParser) -> None:
 def pair_from_args(args, **kwargs) -> LoadedPair:
     """`load_pair` from the arguments that `add_pair_arguments` defines."""
     return load_pair(args.target or args.pair or DEFAULT_PAIR, args.draft, quantize_draft=args.quantize_draft,
-                     quantize_target=args.quantize_target, dtype=args.dtype, exact=args.exact, **kwargs)
+                     quantize_target=args.quantize_target, dtype=args.dtype, exact=args.exact,
+                     aligned_draft=getattr(args, "aligned_draft", None), **kwargs)
 
 
 def _bnb_8bit_config():
