@@ -61,6 +61,12 @@ class PacerTrainScriptArguments:
         default=8, metadata={"help": "prompts whose greedy outputs the target generates together (left-padded, exact "
                                      "per sequence; about 5x the tokens/s of one at a time on a CPU)"},
     )
+    target_outputs_from: str | None = field(
+        default=None,
+        metadata={"help": "another run's traces/ folder, recorded with the same target settings: its target outputs "
+                          "are reused, so only the draft's side is recorded (a head for an --aligned-draft, say)",
+                  "metavar": "DIR"},
+    )
     head_hidden_size: int = field(default=256, metadata={"help": "width of the head (small: it runs at every block)"})
     head_heads: int = field(
         default=4, metadata={"help": "attention heads of the head's one layer (must divide --head-hidden-size)"},
@@ -124,6 +130,8 @@ class PacerTrainScriptArguments:
                f"--max-new-tokens must be at least 2 (one token to draft from, one to draft), got {self.max_new_tokens}.")
         _check(self.max_draft >= 1, f"--max-draft must be at least 1, got {self.max_draft}.")
         _check(self.record_batch_size >= 1, f"--record-batch-size must be at least 1, got {self.record_batch_size}.")
+        _check(self.target_outputs_from is None or Path(self.target_outputs_from).is_dir(),
+               f"--target-outputs-from {self.target_outputs_from}: no such folder.")
         for name in ("head_hidden_size", "head_heads", "head_intermediate_size"):
             _check(getattr(self, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}.")
         _check(self.head_hidden_size % self.head_heads == 0,

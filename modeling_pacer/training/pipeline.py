@@ -39,10 +39,31 @@ def trace_path(trace_dir: Path, prompt_id: str) -> Path:
 def trace_settings(pair, max_new_tokens: int, max_draft: int) -> dict:
     """What a trace file records about how it was made; a resumed run reads only files made the same way
     (the target's dtype and attention decide its greedy output, hence the labels)."""
-    return dict(pair=pair.name, target_dtype=str(pair.target.dtype).removeprefix("torch."),
-                target_attention=pair.target.config._attn_implementation,
-                target_quantization=getattr(pair, "quantize_target", None),
-                max_new_tokens=max_new_tokens, max_draft=max_draft)
+    settings = dict(pair=pair.name, target_dtype=str(pair.target.dtype).removeprefix("torch."),
+                    target_attention=pair.target.config._attn_implementation,
+                    target_quantization=getattr(pair, "quantize_target", None),
+                    max_new_tokens=max_new_tokens, max_draft=max_draft)
+    if getattr(pair, "aligned_draft", None):  # a head belongs to one draft (kept out otherwise: older files match)
+        settings["aligned_draft"] = pair.aligned_draft
+    return settings
+
+
+TARGET_SETTINGS = ("pair", "target_dtype", "target_attention", "target_quantization", "max_new_tokens")  # decide the output
+
+
+def read_output(path: Path, settings: dict) -> torch.Tensor | None:
+    """The target's greedy output kept in the trace file `path`, if its target settings (not the draft's) are
+    `settings`'; None otherwise. The output depends on the target alone, so a trace recorded with another
+    draft (or draft length) still gives it, and recording for a new draft needs no target generation."""
+    from ..replay import load_traces
+
+    try:
+        saved = load_traces(path)
+    except ValueError:
+        return None
+    if any(saved.meta.get(key) != settings[key] for key in TARGET_SETTINGS) or len(saved.traces) != 1:
+        return None
+    return saved.traces[0].output
 
 
 def read_trace(path: Path, settings: dict):
@@ -94,7 +115,7 @@ def greedy_outputs(target, prompts: list[torch.Tensor], max_new_tokens: int, pad
 
 
 def record_traces(pair, prompts: list[tuple[str, torch.Tensor]], max_new_tokens: int, max_draft: int,
-                  trace_dir: Path, resume: bool, progress=None, batch_size: int = 8):
+                  trace_dir: Path, resume: bool, progress=None, batch_size: int = 8, outputs_from: Path | None = None):
     """A greedy trace per prompt (`(id, input_ids (1, L))`), saved as it is made (`ID.safetensors`) so a
     rerun resumes; the seconds each took are kept beside it (`ID.seconds`: its share of its batch's
     generation, by tokens, plus its own trace) so that a resumed run still reports them.
@@ -103,7 +124,9 @@ def record_traces(pair, prompts: list[tuple[str, torch.Tensor]], max_new_tokens:
     greedy choices, so the trace needs no target forward. Any other target (e.g. 8-bit bitsandbytes, not
     row-invariant) decodes each prompt alone with our lossless loop, and `record_trace` computes its choices.
     `progress`: a tqdm bar, advanced per prompt, its postfix the target tokens recorded per second so far
-    (generation and labels together)."""
+    (generation and labels together). `outputs_from`: another run's trace folder whose files give the
+    target's greedy outputs ([`read_output`]; e.g. recorded with the plain draft, for a head of an aligned
+    one), so only the draft's side is recorded for those prompts (an exact target's outputs only)."""
     from ..custom_generate.generate import generate
     from ..custom_generate.policies import FixedLength
     from ..replay import record_trace, save_traces
@@ -119,18 +142,28 @@ def record_traces(pair, prompts: list[tuple[str, torch.Tensor]], max_new_tokens:
                 progress.update(1)
     pending = [p for p in prompts if p[0] not in done]
     exact = bool(getattr(pair, "exact", False))
+    known = {}
+    if outputs_from is not None and exact:
+        for prompt_id, _ in pending:
+            path = trace_path(Path(outputs_from), prompt_id)
+            output = read_output(path, settings) if path.exists() else None
+            if output is not None:
+                known[prompt_id] = output
     batch_size = batch_size if exact else 1
     # prompts of similar length share a batch (less padding), sorted within windows of 8 batches so that an
     # interrupted run has recorded roughly the first prompts, not the shortest of all
     window = 8 * batch_size
     pending = [p for w in range(0, len(pending), window) for p in sorted(pending[w : w + window], key=lambda p: p[1].shape[1])]
+    pending = [p for p in pending if p[0] in known] + [p for p in pending if p[0] not in known]  # none to generate first
     pad = getattr(pair.tokenizer, "pad_token_id", None)
     pad = pad if pad is not None else min(_eos_ids(pair.target), default=0)  # masked out: any id will do
     tokens, seconds = 0, 0.0
     for first in range(0, len(pending), batch_size):
         batch = pending[first : first + batch_size]
         start = time.perf_counter()
-        if exact:
+        if all(prompt_id in known for prompt_id, _ in batch):
+            outputs = [known[prompt_id] for prompt_id, _ in batch]
+        elif exact:
             outputs = greedy_outputs(pair.target, [ids[0] for _, ids in batch], max_new_tokens, pad)
         else:  # one prompt: the target's greedy output by our own lossless loop (cheaper than the target alone)
             input_ids = batch[0][1].to(pair.target.device)
@@ -278,7 +311,8 @@ def train(args: RunArguments, pair, prompts: list[tuple[str, torch.Tensor]], dat
     mine = prompts[state.process_index :: state.num_processes]
     with tqdm(total=len(mine), desc="recording traces", unit="prompt", disable=not state.is_local_main_process) as bar:
         traces = record_traces(pair, mine, script.max_new_tokens, script.max_draft, out / "traces", script.resume, bar,
-                               script.record_batch_size)
+                               script.record_batch_size,
+                               None if script.target_outputs_from is None else Path(script.target_outputs_from))
     if state.num_processes > 1:
         state.wait_for_everyone()  # every share is on disk; each process reads all of them
         settings = trace_settings(pair, script.max_new_tokens, script.max_draft)
@@ -340,7 +374,8 @@ def train(args: RunArguments, pair, prompts: list[tuple[str, torch.Tensor]], dat
                    f"from every output position (teacher forcing).")
     draft_name = describe_source(pair.draft_source) + (
         f" with {DRAFT_QUANTIZATIONS[args.pair.quantize_draft]} Linear layers (as recorded)"
-        if args.pair.quantize_draft else "")
+        if args.pair.quantize_draft else "") + (
+        f", aligned with the target by the LoRA adapter {args.pair.aligned_draft} (merged)" if args.pair.aligned_draft else "")
     fields = card_fields(
         head, pair_name=pair.name, target=describe_source(pair.target_source), draft=draft_name,
         base_model=script.base_model, repo_id=script.push_to_hub_repo, metrics=metrics, tuned=best, ablations=ablations,
