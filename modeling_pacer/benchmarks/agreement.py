@@ -52,3 +52,41 @@ def summarize(rows: list[dict]) -> list[dict]:
             reference_perplexity=math.exp(sum(r["reference_nll"] * r["tokens"] for r in part) / tokens),
         ))
     return out
+
+
+@torch.no_grad()
+def draft_agreement(draft, input_ids: torch.Tensor, output: torch.Tensor, cap: int = 8) -> dict:
+    """How often `draft` proposes the target's greedy `output` `(N,)` after `input_ids` `(1, L)`, teacher-forced.
+
+    Greedy speculative decoding accepts a draft token exactly when it is the target's greedy choice after
+    the same prefix, so:
+
+        agreement = mean over positions of [argmax draft(prefix) == output token]
+        run       = mean over positions of how many draft tokens from there in a row agree (at most `cap`):
+                    the tokens a draft of `cap` started there would have accepted (the oracle's side)
+    """
+    n = output.numel()
+    if n == 0:
+        return dict(tokens=0, agreement=float("nan"), run=float("nan"))
+    ids = torch.cat([input_ids, output[None]], dim=1).to(draft.device)
+    logits = draft(ids[:, :-1], logits_to_keep=n).logits[0].float().cpu()
+    same = logits.argmax(-1) == output
+    runs, current = torch.zeros(n), 0
+    for i in range(n - 1, -1, -1):  # agreeing tokens in a row from position i, capped
+        current = current + 1 if same[i] else 0
+        runs[i] = min(current, cap)
+    return dict(tokens=n, agreement=same.float().mean().item(), run=runs.mean().item())
+
+
+def summarize_drafts(rows: list[dict]) -> list[dict]:
+    """Per draft and dataset (and over all datasets): prompts, tokens, token-weighted agreement and run."""
+    out = []
+    for draft in dict.fromkeys(r["draft"] for r in rows):
+        for dataset in sorted({r["dataset"] for r in rows}) + ["all"]:
+            part = [r for r in rows if r["draft"] == draft and dataset in ("all", r["dataset"]) and r["tokens"]]
+            tokens = sum(r["tokens"] for r in part)
+            if tokens:
+                out.append(dict(draft=draft, dataset=dataset, prompts=len(part), tokens=tokens,
+                                agreement=sum(r["agreement"] * r["tokens"] for r in part) / tokens,
+                                run=sum(r["run"] * r["tokens"] for r in part) / tokens))
+    return out

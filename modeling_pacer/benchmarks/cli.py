@@ -7,6 +7,7 @@
     pacer-bench merge a/results.json b/results.json --out all  # one report from runs split by dataset
     pacer-bench costs --dtypes bfloat16 float32 --out costs    # this machine's cost curves, measured and plotted
     pacer-bench agreement --quantize-target int4 --n 10        # a quantized target's greedy agreement with bf16
+    pacer-bench draft-agreement --quantize-draft --aligned-draft adapters/qwen2.5-coder-0.5b-aligned   # before/after
 
 Every argument is checked before a model is loaded.
 """
@@ -25,7 +26,7 @@ from modeling_pacer.prompts import DATASETS
 from modeling_pacer.resources import ensure_writable_folder
 
 QUICK_METHODS = ["target", "hf-assisted", "hf-constant-2", "fixed-2", "heuristic", "svip", "specdec++", "pacer"]
-COMMANDS = ("run", "replay", "merge", "costs", "agreement")
+COMMANDS = ("run", "replay", "merge", "costs", "agreement", "draft-agreement")
 
 
 def _positive(text: str) -> int:
@@ -101,6 +102,17 @@ def build_parser() -> argparse.ArgumentParser:
     agreement.add_argument("--max-new-tokens", type=_positive, default=96)
     agreement.add_argument("--threads", type=_positive, help="torch CPU threads (default: torch's choice)")
     _add_output(agreement, "agreement-out")
+
+    drafts = sub.add_parser("draft-agreement", help="the draft's next-token agreement with the target's greedy output "
+                            "on the benchmark prompts; with --aligned-draft, the plain and the aligned draft side by side")
+    add_pair_arguments(drafts)
+    drafts.add_argument("--datasets", nargs="+", choices=DATASETS, default=list(DATASETS))
+    drafts.add_argument("--n", type=_positive, default=10, help="prompts per dataset (the first n)")
+    drafts.add_argument("--max-new-tokens", type=_positive, default=128)
+    drafts.add_argument("--batch-size", type=_positive, default=8,
+                        help="prompts the (exact) target generates together")
+    drafts.add_argument("--threads", type=_positive, help="torch CPU threads (default: torch's choice)")
+    _add_output(drafts, "draft-agreement-out")
     return p
 
 
@@ -127,10 +139,13 @@ def validate(args) -> None:
     if args.command == "agreement" and not args.quantize_target:
         raise ValueError("agreement compares a quantized target with its bf16 form: pass --quantize-target int4 "
                          "(or int4+int8)")
-    if args.command in ("run", "costs", "agreement"):
+    if args.command in ("run", "costs", "agreement", "draft-agreement"):
         # the names, checked; nothing loads
         PairArguments(args.pair, args.target, args.draft, args.quantize_draft, args.quantize_target, args.dtype,
-                      args.exact)
+                      args.exact, args.aligned_draft)
+    if getattr(args, "aligned_draft", None) and not Path(args.aligned_draft).exists() \
+            and not re.fullmatch(r"[\w.-]+/[\w.-]+", args.aligned_draft):
+        raise ValueError(f"--aligned-draft {args.aligned_draft}: no such folder, and not a Hub repo id (org/name).")
     if args.command == "costs":
         from modeling_pacer.pairs.loading import TARGET_QUANTIZATIONS, resolve_dtype
 
@@ -224,7 +239,7 @@ def run(args) -> dict:
     oracle_rows = oracle_records(traces, costs, args.oracle_max_draft)
     meta = dict(command="pacer-bench " + " ".join(shlex.quote(a) for a in sys.argv[1:]), pair=pair.name,
                 head=args.head, max_new_tokens=args.max_new_tokens, threads=torch.get_num_threads(),
-                quantize_draft=args.quantize_draft, quantize_target=pair.quantize_target,
+                quantize_draft=args.quantize_draft, aligned_draft=pair.aligned_draft, quantize_target=pair.quantize_target,
                 dtype=str(pair.dtype).removeprefix("torch."), exact=pair.exact,
                 costs=costs.to_dict(), torch=torch.__version__)
     result = write_report(Path(args.out), [r.to_dict() for r in records], oracle_rows, meta)
@@ -380,6 +395,58 @@ def run_agreement(args) -> dict:
     return dict(summary=summary)
 
 
+def run_draft_agreement(args) -> dict:
+    """The target's greedy output on each prompt, read teacher-forced by the draft (and by the aligned draft
+    with --aligned-draft): draft_agreement.json/.md."""
+    from tqdm.auto import tqdm
+
+    from modeling_pacer.pairs import load_draft, pair_from_args
+    from modeling_pacer.training.pipeline import greedy_outputs
+
+    from .agreement import draft_agreement, summarize_drafts
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    aligned = args.aligned_draft
+    pair = pair_from_args(argparse.Namespace(**{**vars(args), "aligned_draft": None}))
+    drafts = {"plain": pair.draft}
+    if aligned:
+        dtype = {"int8": torch.float32, "int4": torch.bfloat16}.get(args.quantize_draft, pair.dtype)  # as load_pair's
+        drafts["aligned"] = load_draft(pair.draft_source, dtype, args.quantize_draft, aligned, pair_name=pair.name)
+    prompts = list(_prompts(args, pair.tokenizer))
+    pad = pair.tokenizer.pad_token_id if pair.tokenizer.pad_token_id is not None else 0
+    size = args.batch_size if pair.exact else 1  # only an exact target's batched outputs are its own greedy outputs
+    rows = []
+    with tqdm(total=len(prompts), desc="pacer-bench draft-agreement", unit="prompt") as bar:
+        for first in range(0, len(prompts), size):
+            batch = prompts[first : first + size]
+            outputs = greedy_outputs(pair.target, [ids[0] for _, _, ids in batch], args.max_new_tokens, pad)
+            for (dataset, prompt_id, input_ids), output in zip(batch, outputs):
+                for name, draft in drafts.items():
+                    rows.append(dict(draft=name, dataset=dataset, prompt_id=prompt_id,
+                                     **draft_agreement(draft, input_ids, output)))
+                bar.update(1)
+    summary = summarize_drafts(rows)
+    meta = dict(command="pacer-bench " + " ".join(shlex.quote(a) for a in sys.argv[1:]), pair=pair.name,
+                target=pair.setting, draft_quantization=args.quantize_draft, aligned_draft=aligned,
+                max_new_tokens=args.max_new_tokens, threads=torch.get_num_threads(), torch=torch.__version__)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    lines = [f"Command: `{meta['command']}`", "",
+             f"The target ({pair.setting}) writes greedily; each draft"
+             f"{f' ({args.quantize_draft} Linear layers)' if args.quantize_draft else ''} reads the text teacher-forced "
+             "(modeling_pacer/benchmarks/agreement.py): agreement = share of the target's tokens that are the draft's "
+             "greedy choice; run = mean agreeing tokens in a row from a position, at most 8.", "",
+             "| draft | dataset | prompts | tokens | next-token agreement | run (of 8) |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['draft']} | {r['dataset']} | {r['prompts']} | {r['tokens']} | {r['agreement']:.3f} | {r['run']:.2f} |"
+              for r in summary]
+    (out / "draft_agreement.json").write_text(json.dumps(dict(rows=rows, summary=summary, meta=meta), indent=1))
+    (out / "draft_agreement.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(f"pacer-bench: wrote {out / 'draft_agreement.json'}, {out / 'draft_agreement.md'}")
+    return dict(summary=summary)
+
+
 def run_merge(args) -> dict:
     """One report from several runs' results.json (disjoint prompts); meta keeps every run's command and costs."""
     from .report import write_report
@@ -424,7 +491,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     result = {"run": run, "replay": run_replay, "merge": run_merge, "costs": run_costs,
-              "agreement": run_agreement}[args.command](args)
+              "agreement": run_agreement, "draft-agreement": run_draft_agreement}[args.command](args)
     lost = [r for r in result.get("summary", []) if r.get("dataset") == "all" and r.get("mismatches")]
     if lost:  # the report is written, but a method that changed the target's output is a failure
         print(f"pacer-bench: NOT LOSSLESS: {[r['method'] for r in lost]} changed the target's output", file=sys.stderr)
