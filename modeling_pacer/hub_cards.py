@@ -18,3 +18,16 @@ def render_head_card(*, base_model: str | None, license: str = "apache-2.0", **f
         pipeline_tag=None,
     )
     return ModelCard.from_template(data, template_path=str(data_folder("hub_cards") / "pacer_head.md"), **fields)
+
+
+def render_adapter_card(*, base_model: str | None, license: str = "apache-2.0", **fields) -> ModelCard:
+    """The card of an aligned-draft LoRA adapter (`draft_adapter.md`), from `pacer-align`'s fields."""
+    data = ModelCardData(
+        library_name="peft",
+        license=license,
+        base_model=base_model,
+        tags=["pacer", "speculative-decoding", "draft-model", "lora", "trl", "sft", "distillation"],
+        pipeline_tag="text-generation",
+    )
+    return ModelCard.from_template(data, template_path=str(data_folder("hub_cards") / "draft_adapter.md"),
+                                   base_model=base_model, **fields)
