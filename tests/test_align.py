@@ -82,6 +82,17 @@ def test_alignment_trains_an_adapter_and_writes_a_hub_ready_folder(aligned):
     assert json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"] == "tiny-org/tiny-draft"
 
 
+def test_token_level_distillation_trains_against_the_targets_distributions(folders, tmp_path):
+    """--distillation token: trl's GKDTrainer (lmbda=0) with the target as teacher; the same held-out figures."""
+    args = cli.parse_args(["--out", str(tmp_path), *TINY, "--distillation", "token", "--epochs", "2"])
+    summary = pipeline.align(args, _pair(folders), _prompts(), "Tiny random prompts.")
+    weights = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert any(w.abs().max() > 0 for name, w in weights.items() if "lora_B" in name)
+    assert summary["before"]["tokens"] == summary["after"]["tokens"] > 0
+    assert summary["before"] != summary["after"]
+    assert "GKDTrainer" in (tmp_path / "adapter" / "README.md").read_text()
+
+
 def test_the_adapter_loads_back_identically_and_merges(folders, aligned):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -171,3 +182,22 @@ def test_bad_alignment_arguments_stop_with_a_message(tmp_path, capsys, folders):
         pipeline.run(args)
     with pytest.raises(ValueError, match="no peft adapter there"):
         _pair(folders, aligned_draft=str(tmp_path))
+
+
+def test_recipe_is_the_committed_adapters_command():
+    """training/qwen2.5-coder-0.5b-aligned.yaml trains what the committed adapter's card says it was trained
+    with (but for where that run kept its files)."""
+    import dataclasses
+    import json
+    import shlex
+
+    root = Path(__file__).resolve().parent.parent
+    folder = root / "adapters" / "qwen2.5-coder-0.5b-aligned"
+    command = json.loads((folder / pipeline.SUMMARY).read_text())["command"]
+    assert f"\n{command}\n" in (folder / "README.md").read_text()
+    from_card = [dataclasses.asdict(a) for a in cli.parse_args(shlex.split(command)[1:])]
+    from_recipe = [dataclasses.asdict(a) for a in cli.parse_args(["--config", str(root / "training" / "qwen2.5-coder-0.5b-aligned.yaml")])]
+    for settings in (from_card[2], from_recipe[2]):
+        for where in ("out", "traces", "resume"):
+            settings.pop(where)
+    assert from_recipe == from_card

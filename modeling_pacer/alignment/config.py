@@ -39,6 +39,12 @@ class PacerAlignScriptArguments:
     max_draft: int = field(default=12, metadata={"help": "the recorded traces' draft length (they are shared with "
                                                          "head training; alignment reads only the target's output)"})
     record_batch_size: int = field(default=8, metadata={"help": "prompts the target generates together when recording"})
+    distillation: str = field(
+        default="sequence",
+        metadata={"help": "sequence: fine-tune on the target's greedy outputs (trl's SFTTrainer); token: match the "
+                          "target's next-token distributions along them (trl's GKDTrainer, lmbda=0, forward KL; one "
+                          "target forward more per step)", "choices": ("sequence", "token")},
+    )
     lora_r: int = field(default=16, metadata={"help": "LoRA rank: the adapter's size and capacity"})
     lora_alpha: int = field(default=32, metadata={"help": "LoRA scale numerator (the update is alpha/r * B A)"})
     lora_dropout: float = field(default=0.0, metadata={"help": "dropout on the LoRA input while training"})
@@ -69,6 +75,8 @@ class PacerAlignScriptArguments:
         _check(self.max_new_tokens >= 2, f"--max-new-tokens must be at least 2, got {self.max_new_tokens}.")
         _check(self.max_draft >= 1, f"--max-draft must be at least 1, got {self.max_draft}.")
         _check(self.record_batch_size >= 1, f"--record-batch-size must be at least 1, got {self.record_batch_size}.")
+        _check(self.distillation in ("sequence", "token"),
+               f"--distillation must be sequence or token, got {self.distillation!r}.")
         _check(self.lora_r >= 1, f"--lora-r must be at least 1, got {self.lora_r}.")
         _check(self.lora_alpha > 0, f"--lora-alpha must be positive, got {self.lora_alpha}.")
         _check(0 <= self.lora_dropout < 1, f"--lora-dropout must lie in [0, 1), got {self.lora_dropout}.")

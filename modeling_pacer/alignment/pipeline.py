@@ -1,18 +1,21 @@
 """`pacer-align`'s pipeline: the target's greedy outputs (a head run's traces, or recorded now), then trl's
-`SFTTrainer` with a peft LoRA adapter on the draft, then a Hub-ready adapter folder with its card.
+`SFTTrainer` (or `GKDTrainer`) with a peft LoRA adapter on the draft, then a Hub-ready adapter folder with its card.
 
-Sequence-level distillation: the draft learns to write what the target writes, token for token, from the
-target's own greedy outputs (the loss on those tokens only). Greedy speculative decoding accepts a draft
+Sequence-level distillation (the default): the draft learns to write what the target writes, token for
+token, from the target's own greedy outputs (the loss on those tokens only). Token-level distillation
+(`--distillation token`): the draft learns the target's whole next-token distribution at every position of
+those outputs (trl's `GKDTrainer`, no generation), at one target forward more per step. Greedy speculative decoding accepts a draft
 token exactly when it is the target's greedy choice after the same prefix, so the held-out metric is the
-draft's next-token agreement with the target's output, teacher-forced (trl's `mean_token_accuracy` on
-the completion tokens), measured before and after on prompts never trained on.
+draft's next-token agreement with the target's output, teacher-forced, measured before and after on
+prompts never trained on ([`held_out`]).
 """
 
+import gc
 import json
 import shlex
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -41,16 +44,29 @@ def alignment_dataset(prompts: list[tuple[str, torch.Tensor]], outputs: dict[str
     return Dataset.from_dict({"input_ids": ids, "completion_mask": masks, "prompt_id": names})
 
 
-def _agreement(metrics: dict) -> dict:
-    """An `evaluate()` result as the card reports it: held-out loss and teacher-forced agreement."""
-    return dict(loss=metrics["eval_loss"], agreement=metrics["eval_mean_token_accuracy"],
-                tokens=metrics.get("eval_num_tokens"))
+@torch.no_grad()
+def held_out(model, dataset) -> dict:
+    """The draft's teacher-forced next-token agreement with the target's outputs in `dataset` (rows of
+    [`alignment_dataset`]) and its loss on them (nats per target token), token-weighted: what greedy
+    verification would accept, measured the same way for every kind of training."""
+    from ..benchmarks.agreement import draft_agreement
+
+    was_training = model.training
+    model.eval()
+    rows = []
+    for ids, mask in zip(dataset["input_ids"], dataset["completion_mask"]):
+        start = mask.index(1)
+        rows.append(draft_agreement(model, torch.tensor([ids[:start]]), torch.tensor(ids[start:])))
+    model.train(was_training)
+    tokens = sum(r["tokens"] for r in rows)
+    return dict(agreement=sum(r["agreement"] * r["tokens"] for r in rows) / tokens,
+                loss=sum(r["nll"] * r["tokens"] for r in rows) / tokens, tokens=tokens)
 
 
 @dataclass
 class Alignment:
-    """What [`fit_adapter`] returns: the draft with its trained adapter (a peft model), the held-out loss and
-    agreement of the plain draft (`before`) and of the aligned one (`after`), the training time, and the
+    """What [`fit_adapter`] returns: the draft with its trained adapter (a peft model), the held-out figures
+    ([`held_out`]) of the plain draft (`before`) and of the aligned one (`after`), the training time, and the
     trainer's log (one entry per logging step)."""
 
     model: torch.nn.Module
@@ -60,29 +76,46 @@ class Alignment:
     log_history: list[dict]
 
 
-def fit_adapter(draft, tokenizer, train_set, eval_set, config, lora_config, resume: bool) -> Alignment:
-    """Train a LoRA adapter on `draft` with trl's `SFTTrainer`. `resume`: continue from the last checkpoint in
-    `config.output_dir`, if any (the plain draft's held-out figures are kept beside the checkpoints, so a
-    resumed run still reports them)."""
+def fit_adapter(draft, tokenizer, train_set, eval_set, config, lora_config, resume: bool, teacher=None) -> Alignment:
+    """Train a LoRA adapter on `draft` with trl, on the target's outputs in `train_set`.
+
+    Without `teacher`: sequence-level distillation, trl's `SFTTrainer` (cross-entropy on the target's tokens).
+    With `teacher` (the target, in a form that reads right-padded batches): token-level distillation, trl's
+    `GKDTrainer` with `lmbda=0` (the same fixed outputs, no generation by the draft) and `beta=0` (forward KL
+    from the target's full next-token distribution at every output position to the draft's).
+    `resume`: continue from the last checkpoint in `config.output_dir`, if any (the plain draft's held-out
+    figures are kept beside the checkpoints, so a resumed run still reports them)."""
     from transformers.trainer_utils import get_last_checkpoint
-    from trl import SFTTrainer
 
     out = Path(config.output_dir)
     checkpoint = get_last_checkpoint(str(out)) if resume and out.is_dir() else None
-    trainer = SFTTrainer(model=draft, args=config, train_dataset=train_set, eval_dataset=eval_set,
-                         processing_class=tokenizer, peft_config=lora_config)
     saved = out / "before.json"
     if checkpoint and saved.exists():
         before = json.loads(saved.read_text())
     else:
-        before = _agreement(trainer.evaluate())  # LoRA's B starts at zero: this is the plain draft
+        before = held_out(draft, eval_set)
         out.mkdir(parents=True, exist_ok=True)
         saved.write_text(json.dumps(before))
+    if teacher is None:
+        from trl import SFTTrainer
+
+        trainer = SFTTrainer(model=draft, args=config, train_dataset=train_set, processing_class=tokenizer,
+                             peft_config=lora_config)
+    else:
+        from trl.experimental.gkd import GKDConfig, GKDTrainer
+        from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+        settings = {f.name: getattr(config, f.name) for f in fields(config) if f.init}
+        gkd = GKDConfig(**{**settings, "lmbda": 0.0, "beta": 0.0})
+        # GKD skips trl's dataset preparation: the labels are the target's tokens, -100 on the prompt
+        labelled = train_set.map(lambda row: {"labels": [t if m else -100 for t, m in zip(row["input_ids"], row["completion_mask"])]},
+                                 remove_columns=["completion_mask"])
+        trainer = GKDTrainer(model=draft, teacher_model=teacher, args=gkd, train_dataset=labelled, processing_class=tokenizer,
+                             peft_config=lora_config, data_collator=DataCollatorForLanguageModeling(tokenizer.pad_token_id))
     start = time.perf_counter()
     trainer.train(resume_from_checkpoint=checkpoint)
     seconds = time.perf_counter() - start
-    after = _agreement(trainer.evaluate())
-    return Alignment(trainer.model, before, after, seconds, list(trainer.state.log_history))
+    return Alignment(trainer.model, before, held_out(trainer.model, eval_set), seconds, list(trainer.state.log_history))
 
 
 def align(args, pair, prompts: list[tuple[str, torch.Tensor]], data_description: str, hub_api=None) -> dict:
@@ -110,10 +143,16 @@ def align(args, pair, prompts: list[tuple[str, torch.Tensor]], data_description:
     # the draft to train: the plain one, unquantized, in the target's dtype (bf16 where the CPU has it)
     tokenizer, draft_source, pair_name = pair.tokenizer, pair.draft_source, pair.name
     target_name, dtype = pair.target_source, resolve_dtype(pair_args.dtype)
+    pair.target = pair.draft = None  # past the outputs the pair's models are not needed: their memory is training's
+    gc.collect()
     draft = load_model(draft_source, dtype=dtype, pair_name=pair_name)
     draft.config.use_cache = False
     config = replace(config, output_dir=str(out / "trainer"))
-    result = fit_adapter(draft, tokenizer, train_set, eval_set, config, script.lora_config(), script.resume)
+    teacher = None
+    if script.distillation == "token":  # the target, plain (sdpa reads right-padded batches; exactness is for decoding)
+        teacher = load_model(target_name, dtype=dtype, pair_name=pair_name)
+    result = fit_adapter(draft, tokenizer, train_set.remove_columns("prompt_id"), eval_set, config, script.lora_config(),
+                         script.resume, teacher)
     model, before, after, seconds = result.model, result.before, result.after, result.seconds
 
     folder = out / "adapter"
@@ -125,12 +164,14 @@ def align(args, pair, prompts: list[tuple[str, torch.Tensor]], data_description:
     fields = dict(
         base_model=script.base_model, repo_id=script.push_to_hub_repo or "org/pacer-aligned-draft", pair_name=pair_name,
         target=describe_source(target_name), draft=describe_source(draft_source), dtype=str(dtype).removeprefix("torch."),
+        distillation=script.distillation,
         data_description=(f"{data_description} {len(train_set)} prompts for training and {len(eval_set)} held out; "
                           f"{tokens} target tokens of greedy output ({script.max_new_tokens} at most per prompt)."),
         lora=dict(r=lora.r, alpha=lora.lora_alpha, dropout=lora.lora_dropout, target_modules=script.lora_target_modules),
         optimisation=dict(epochs=config.num_train_epochs, learning_rate=config.learning_rate,
                           batch_size=config.per_device_train_batch_size * config.gradient_accumulation_steps,
-                          max_length=config.max_length, scheduler=str(config.lr_scheduler_type)),
+                          max_length=config.max_length,
+                          scheduler=getattr(config.lr_scheduler_type, "value", config.lr_scheduler_type)),
         before={k: f"{v:.4f}" if isinstance(v, float) else v for k, v in before.items()},
         after={k: f"{v:.4f}" if isinstance(v, float) else v for k, v in after.items()},
         training_time=f"{seconds:.0f} s on {torch.get_num_threads()} CPU threads" if config.use_cpu else f"{seconds:.0f} s",

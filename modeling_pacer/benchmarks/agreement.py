@@ -64,10 +64,11 @@ def draft_agreement(draft, input_ids: torch.Tensor, output: torch.Tensor, cap: i
         agreement = mean over positions of [argmax draft(prefix) == output token]
         run       = mean over positions of how many draft tokens from there in a row agree (at most `cap`):
                     the tokens a draft of `cap` started there would have accepted (the oracle's side)
+        nll       = mean -log p_draft(output token): the draft's loss on the target's text
     """
     n = output.numel()
     if n == 0:
-        return dict(tokens=0, agreement=float("nan"), run=float("nan"))
+        return dict(tokens=0, agreement=float("nan"), run=float("nan"), nll=float("nan"))
     ids = torch.cat([input_ids, output[None]], dim=1).to(draft.device)
     logits = draft(ids[:, :-1], logits_to_keep=n).logits[0].float().cpu()
     same = logits.argmax(-1) == output
@@ -75,7 +76,8 @@ def draft_agreement(draft, input_ids: torch.Tensor, output: torch.Tensor, cap: i
     for i in range(n - 1, -1, -1):  # agreeing tokens in a row from position i, capped
         current = current + 1 if same[i] else 0
         runs[i] = min(current, cap)
-    return dict(tokens=n, agreement=same.float().mean().item(), run=runs.mean().item())
+    nll = -torch.log_softmax(logits, -1).gather(-1, output[:, None]).mean().item()
+    return dict(tokens=n, agreement=same.float().mean().item(), run=runs.mean().item(), nll=nll)
 
 
 def summarize_drafts(rows: list[dict]) -> list[dict]:
