@@ -134,6 +134,7 @@ def test_resume_continues_from_the_checkpoint(folders, aligned, monkeypatch):
     args = cli.parse_args(["--out", str(out), *TINY, "--resume"])
     again = pipeline.align(args, _pair(folders), _prompts(), "Tiny random prompts.")
     assert again["before"] == summary["before"]
+    assert again["training_seconds"] >= summary["training_seconds"]  # the first run's time is kept in the total
     assert again["after"]["loss"] == pytest.approx(summary["after"]["loss"], rel=1e-5)
 
 

@@ -66,8 +66,8 @@ def held_out(model, dataset) -> dict:
 @dataclass
 class Alignment:
     """What [`fit_adapter`] returns: the draft with its trained adapter (a peft model), the held-out figures
-    ([`held_out`]) of the plain draft (`before`) and of the aligned one (`after`), the training time, and the
-    trainer's log (one entry per logging step)."""
+    ([`held_out`]) of the plain draft (`before`) and of the aligned one (`after`), the training time (summed
+    over resumed runs), and the trainer's log (one entry per logging step)."""
 
     model: torch.nn.Module
     before: dict
@@ -114,7 +114,11 @@ def fit_adapter(draft, tokenizer, train_set, eval_set, config, lora_config, resu
                              peft_config=lora_config, data_collator=DataCollatorForLanguageModeling(tokenizer.pad_token_id))
     start = time.perf_counter()
     trainer.train(resume_from_checkpoint=checkpoint)
-    seconds = time.perf_counter() - start
+    # training time summed over the runs that made this adapter (an interrupted run resumes its total)
+    spent = out / "training_seconds.json"
+    earlier = json.loads(spent.read_text()) if checkpoint and spent.exists() else 0.0
+    seconds = earlier + time.perf_counter() - start
+    spent.write_text(json.dumps(seconds))
     return Alignment(trainer.model, before, held_out(trainer.model, eval_set), seconds, list(trainer.state.log_history))
 
 
