@@ -7,12 +7,7 @@ from dataclasses import dataclass, field
 import torch
 from trl import SFTConfig
 
-from ..training.arguments import held_out_count
-
-
-def _check(condition: bool, message: str) -> None:
-    if not condition:
-        raise ValueError(message)
+from ..training.arguments import _check, held_out_count
 
 
 @dataclass
