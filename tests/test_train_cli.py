@@ -327,10 +327,11 @@ def test_committed_commands_parse_to_their_settings():
     assert readme.pair.quantize_draft and readme.script.ablate_position_embedding
 
 
-@pytest.mark.parametrize("name", ["qwen2.5-coder-1.5b-0.5b", "qwen2.5-coder-1.5b-0.5b-bf16"])
+@pytest.mark.parametrize("name", ["qwen2.5-coder-1.5b-0.5b", "qwen2.5-coder-1.5b-0.5b-bf16", "qwen2.5-coder-1.5b-0.5b-aligned"])
 def test_recipe_is_the_committed_heads_command(tmp_path, name):
     """training/NAME.yaml trains what the committed head heads/NAME's card says it was trained with (but for
-    where that run kept its files); a JSON recipe is read the same way."""
+    where that run kept its files, and another run's traces it took the target's outputs from); a JSON recipe
+    is read the same way."""
     head, recipe = HEAD.parent / name, RECIPE.parent / f"{name}.yaml"
     card_command = json.loads((head / "training_summary.json").read_text())["command"]
     assert f"\n{card_command}\n" in (head / "README.md").read_text()
@@ -339,7 +340,8 @@ def test_recipe_is_the_committed_heads_command(tmp_path, name):
     from_card = _settings(cli.parse_run_args(arguments))
     from_recipe = _settings(cli.parse_run_args([str(recipe)]))
     assert from_recipe["script"].pop("out") == f"runs/{name}" and not from_recipe["script"].pop("resume")
-    from_card["script"].pop("out"), from_card["script"].pop("resume")
+    assert from_recipe["script"].pop("target_outputs_from") is None
+    from_card["script"].pop("out"), from_card["script"].pop("resume"), from_card["script"].pop("target_outputs_from")
     assert from_recipe == from_card
     (tmp_path / "recipe.json").write_text(json.dumps(yaml.safe_load(recipe.read_text())))
     assert _settings(cli.parse_run_args([str(tmp_path / "recipe.json")])) == _settings(cli.parse_run_args([str(recipe)]))
