@@ -155,8 +155,9 @@ def align(args, pair, prompts: list[tuple[str, torch.Tensor]], data_description:
     teacher = None
     if script.distillation == "token":  # the target, plain (sdpa reads right-padded batches; exactness is for decoding)
         teacher = load_model(target_name, dtype=dtype, pair_name=pair_name)
-    result = fit_adapter(draft, tokenizer, train_set.remove_columns("prompt_id"), eval_set, config, script.lora_config(),
-                         script.resume, teacher)
+    lora = script.lora_config()
+    result = fit_adapter(draft, tokenizer, train_set.remove_columns("prompt_id"), eval_set, config, lora, script.resume,
+                         teacher)
     model, before, after, seconds = result.model, result.before, result.after, result.seconds
 
     folder = out / "adapter"
@@ -164,7 +165,6 @@ def align(args, pair, prompts: list[tuple[str, torch.Tensor]], data_description:
     model.save_pretrained(folder, save_embedding_layers=False)  # LoRA only (asking the Hub about the vocabulary: no)
     command = "pacer-align " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     tokens = sum(len(o) for o in outputs.values())
-    lora = script.lora_config()
     fields = dict(
         base_model=script.base_model, repo_id=script.push_to_hub_repo or "org/pacer-aligned-draft", pair_name=pair_name,
         target=describe_source(target_name), draft=describe_source(draft_source), dtype=str(dtype).removeprefix("torch."),

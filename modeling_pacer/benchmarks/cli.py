@@ -400,8 +400,8 @@ def run_draft_agreement(args) -> dict:
     with --aligned-draft): draft_agreement.json/.md."""
     from tqdm.auto import tqdm
 
-    from modeling_pacer.pairs import load_draft, pair_from_args
-    from modeling_pacer.training.pipeline import greedy_outputs
+    from modeling_pacer.pairs import default_draft_dtype, load_draft, pair_from_args
+    from modeling_pacer.training.pipeline import greedy_outputs, pad_token_id
 
     from .agreement import draft_agreement, summarize_drafts
 
@@ -411,10 +411,10 @@ def run_draft_agreement(args) -> dict:
     pair = pair_from_args(argparse.Namespace(**{**vars(args), "aligned_draft": None}))
     drafts = {"plain": pair.draft}
     if aligned:
-        dtype = {"int8": torch.float32, "int4": torch.bfloat16}.get(args.quantize_draft, pair.dtype)  # as load_pair's
-        drafts["aligned"] = load_draft(pair.draft_source, dtype, args.quantize_draft, aligned, pair_name=pair.name)
+        drafts["aligned"] = load_draft(pair.draft_source, default_draft_dtype(args.quantize_draft, pair.dtype),
+                                       args.quantize_draft, aligned, pair_name=pair.name)
     prompts = list(_prompts(args, pair.tokenizer))
-    pad = pair.tokenizer.pad_token_id if pair.tokenizer.pad_token_id is not None else 0
+    pad = pad_token_id(pair)
     size = args.batch_size if pair.exact else 1  # only an exact target's batched outputs are its own greedy outputs
     rows = []
     with tqdm(total=len(prompts), desc="pacer-bench draft-agreement", unit="prompt") as bar:

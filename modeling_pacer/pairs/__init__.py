@@ -29,6 +29,7 @@ from .loading import (
     LoadedPair,
     PairArguments,
     add_pair_arguments,
+    default_draft_dtype,
     load_draft,
     load_model,
     load_pair,
@@ -59,7 +60,7 @@ from .registry import (
 
 __all__ = [
     "DEFAULT_PAIR", "PAIRS", "ChecksumError", "GGUFParts", "LoadedPair", "ModelSource", "PairArguments", "PairSpec",
-    "WeightsNotInstalledError", "add_pair_arguments", "assemble", "cache_root", "convert_gguf", "converted_ok",
+    "WeightsNotInstalledError", "add_pair_arguments", "default_draft_dtype", "assemble", "cache_root", "convert_gguf", "converted_ok",
     "converted_path", "default_head_path", "ensure_converted", "ensure_gguf", "get_pair", "gguf_path",
     "install_command", "load_draft", "load_model", "load_pair", "load_tokenizer",
     "merge_adapter", "model_location", "pair_from_args",

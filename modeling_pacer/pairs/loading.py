@@ -210,7 +210,7 @@ def load_pair(
         dtype = torch.bfloat16
     dtype = resolve_dtype(dtype, device_map)
     if draft_dtype is None:
-        draft_dtype = {"int8": torch.float32, "int4": torch.bfloat16}.get(quantize_draft, dtype)
+        draft_dtype = default_draft_dtype(quantize_draft, dtype)
     draft_dtype = resolve_dtype(draft_dtype, device_map)
     if quantize_draft == "int8" and draft_dtype != torch.float32:
         raise ValueError("quantize_draft='int8' needs an fp32 draft (dynamic int8 quantizes fp32 Linear weights)")
@@ -244,6 +244,12 @@ def load_pair(
     seconds["tokenizer"] = time.perf_counter() - t0
     return LoadedPair(target, draft_model, tokenizer, spec.name, spec.target, spec.draft, seconds, dtype, exact,
                       quantize_target, None if aligned_draft is None else str(aligned_draft))
+
+
+def default_draft_dtype(quantize_draft: str | None, dtype: torch.dtype | str) -> torch.dtype | str:
+    """The dtype a draft loads in when none is given: what its quantization needs (dynamic int8 quantizes fp32
+    weights; int4 runs bf16 activations), else the target's `dtype`."""
+    return {"int8": torch.float32, "int4": torch.bfloat16}.get(quantize_draft, dtype)
 
 
 def load_draft(source: ModelSource | str, dtype: torch.dtype, quantize_draft: str | None = None,

@@ -91,6 +91,13 @@ def _eos_ids(model) -> set[int]:
     return set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
 
 
+def pad_token_id(pair) -> int:
+    """The id that pads a batch of the pair's prompts: the tokenizer's pad token, else an end-of-sequence id
+    (masked out: any id will do)."""
+    pad = getattr(pair.tokenizer, "pad_token_id", None)
+    return pad if pad is not None else min(_eos_ids(pair.target), default=0)
+
+
 @torch.no_grad()
 def greedy_outputs(target, prompts: list[torch.Tensor], max_new_tokens: int, pad_token_id: int) -> list[torch.Tensor]:
     """The target's greedy output for each prompt `(L,)`, generated together as one left-padded batch.
@@ -155,8 +162,7 @@ def record_traces(pair, prompts: list[tuple[str, torch.Tensor]], max_new_tokens:
     window = 8 * batch_size
     pending = [p for w in range(0, len(pending), window) for p in sorted(pending[w : w + window], key=lambda p: p[1].shape[1])]
     pending = [p for p in pending if p[0] in known] + [p for p in pending if p[0] not in known]  # none to generate first
-    pad = getattr(pair.tokenizer, "pad_token_id", None)
-    pad = pad if pad is not None else min(_eos_ids(pair.target), default=0)  # masked out: any id will do
+    pad = pad_token_id(pair)
     tokens, seconds = 0, 0.0
     for first in range(0, len(pending), batch_size):
         batch = pending[first : first + batch_size]
