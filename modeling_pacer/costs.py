@@ -48,14 +48,19 @@ class CostModel:
         return cls({int(k): v for k, v in data["target_forward"].items()}, data["draft_forward"], data.get("head_call", 0.0))
 
 
-def _median_seconds(fn, repeats: int) -> float:
-    fn()  # warm-up, excluded
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def interleaved_medians(fns: list, repeats: int, clock=time.perf_counter) -> list[float]:
+    """The median seconds of each of `fns` over `repeats` rounds that call every one of them once, in turn
+    (after one warm-up round, excluded). On a shared machine a burst of load lasts a while: timing each
+    function `repeats` times in a row lets one burst inflate every sample of one size (a curve with a false
+    step), while rounds spread it over one sample of several sizes, which the median then drops."""
+    times = [[] for _ in fns]
+    for round_ in range(repeats + 1):
+        for fn, samples in zip(fns, times):
+            start = clock()
+            fn()
+            if round_:
+                samples.append(clock() - start)
+    return [statistics.median(samples) for samples in times]
 
 
 @torch.no_grad()
@@ -78,14 +83,15 @@ def measure_costs(target, draft, head, input_ids: torch.Tensor, max_tokens: int,
         model_forward(draft, input_ids[:, -1:], draft_cache, 1)
         crop_cache(draft_cache, prefix)
 
-    costs = {n: _median_seconds(lambda n=n: target_step(n), repeats) for n in range(1, max_tokens + 1)}
-    head_call = 0.0
+    fns = [lambda n=n: target_step(n) for n in range(1, max_tokens + 1)] + [draft_step]
     if head is not None:
         length = max(1, min(max_tokens - 1, head.config.max_draft_length))  # the longest draft it reads
         hidden = torch.randn(1, length, head.config.draft_hidden_size, dtype=head.dtype)
         features = torch.rand(1, length, 2) if getattr(head.config, "use_draft_features", False) else None
-        head_call = _median_seconds(lambda: head.acceptance_probabilities(hidden, draft_features=features), repeats)
-    return CostModel(costs, _median_seconds(draft_step, repeats), head_call)
+        fns.append(lambda: head.acceptance_probabilities(hidden, draft_features=features))
+    seconds = interleaved_medians(fns, repeats)
+    costs = dict(zip(range(1, max_tokens + 1), seconds))
+    return CostModel(costs, seconds[max_tokens], seconds[max_tokens + 1] if head is not None else 0.0)
 
 
 def _is_linear(module) -> bool:
@@ -148,7 +154,7 @@ def time_split(model, input_ids: torch.Tensor, tokens: int = 1, repeats: int = 5
 # --------------------------------------------------------------------------------------------------
 # measured once per host, model and dtype
 # --------------------------------------------------------------------------------------------------
-COST_FORMAT = "pacer-costs/1"
+COST_FORMAT = "pacer-costs/2"  # 2: timed in interleaved rounds (curves measured before are measured again)
 
 
 def cpuinfo_field(name: str) -> str | None:
