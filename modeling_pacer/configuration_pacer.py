@@ -47,6 +47,15 @@ class PacerConfig(PreTrainedConfig):
             a longer draft is expected to emit more tokens per second, with the cost curve measured on the
             generating machine (`modeling_pacer.host_costs`); it can also decide that one more token does not pay.
             `pacer-train` sets whichever replays faster on its held-out prompts.
+        throughput_estimate (`str`): what the cost-aware rule reads: `"head"` (the head's cumulative predictions) or
+            `"both"` (the head's conditional predictions and the draft's token probabilities, combined by the online
+            fit; needs `calibration`).
+        calibration (`float`, *optional*): with `stopping_rule="throughput"`, refit the per-token estimates while
+            decoding to each call's accept/reject outcomes (`OnlineCalibration`, a logistic fit starting from the
+            estimate as it is, with a prior worth this many outcomes); None: the estimate as it is. A head trained on
+            one kind of text is off on another; the outcomes of every verification say by how much.
+        draft_nothing (`bool`): with `stopping_rule="throughput"`, let a step draft nothing when, at the acceptance
+            rate seen so far in the call, no draft length is expected to beat the target alone.
         use_position_embedding (`bool`): add the learned draft-position embedding (an ablation switch).
         use_draft_features (`bool`): also read, per draft token, the draft's probability of the token it drafted and
             the entropy (nats) of the distribution it drafted from (`draft_features` in `forward`): the draft's own
@@ -70,6 +79,9 @@ class PacerConfig(PreTrainedConfig):
     growth: int | float = 1.1
     first_block_size: int = 0
     stopping_rule: str = "blocks"
+    throughput_estimate: str = "head"
+    calibration: int | float | None = None
+    draft_nothing: bool = False
     use_position_embedding: bool = True
     use_draft_features: bool = False
     draft_prior: bool = False
@@ -125,6 +137,12 @@ class PacerConfig(PreTrainedConfig):
             raise ValueError("PacerConfig.draft_prior needs use_draft_features=True (it reads the draft's probabilities).")
         if self.stopping_rule not in ("blocks", "throughput"):
             raise ValueError(f"PacerConfig.stopping_rule must be 'blocks' or 'throughput', got {self.stopping_rule!r}.")
+        if self.throughput_estimate not in ("head", "both"):
+            raise ValueError(f"PacerConfig.throughput_estimate must be 'head' or 'both', got {self.throughput_estimate!r}.")
+        if self.calibration is not None and not self.calibration > 0:
+            raise ValueError(f"PacerConfig.calibration must be > 0 (a prior strength) or None, got {self.calibration}.")
+        if self.throughput_estimate == "both" and self.calibration is None:
+            raise ValueError("PacerConfig.throughput_estimate='both' combines two estimates by the online fit: set calibration.")
         if not 0.0 <= self.threshold <= 1.0:
             raise ValueError(f"PacerConfig.threshold must lie in [0, 1], got {self.threshold}.")
         if self.growth < 1.0:

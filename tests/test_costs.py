@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from modeling_pacer import costs as costs_module
-from modeling_pacer.costs import CostModel, describe_model, host_costs
-from modeling_pacer.custom_generate.policies import DraftView, ExpectedThroughput, make_policy
+from modeling_pacer.costs import CostModel, describe_model, host_costs, interleaved_medians
+from modeling_pacer.custom_generate.policies import DraftView, ExpectedThroughput, OnlineCalibration, make_policy
 
 from conftest import make_head, make_pair
 
@@ -111,6 +111,12 @@ def test_throughput_rule_with_the_head_reads_its_cumulative_predictions_blockwis
 
 
 def test_throughput_rule_refuses_bad_settings():
+    with pytest.raises(ValueError, match="calibration"):
+        ExpectedThroughput(CostModel({1: 1.0}, 0.1), estimate="both")
+    with pytest.raises(ValueError, match="probe_every"):
+        ExpectedThroughput(CostModel({1: 1.0}, 0.1), probe_every=0)
+    with pytest.raises(ValueError, match="strength"):
+        ExpectedThroughput(CostModel({1: 1.0}, 0.1), calibration=0.0)
     with pytest.raises(ValueError, match="host_costs"):
         ExpectedThroughput()
     with pytest.raises(ValueError, match="host_costs"):
@@ -120,3 +126,74 @@ def test_throughput_rule_refuses_bad_settings():
         ExpectedThroughput(flat, estimate="oracle")
     with pytest.raises(ValueError, match="block_size"):
         ExpectedThroughput(flat, block_size=0)
+
+
+def test_calibration_learns_how_far_off_an_estimate_is():
+    """Outcomes drawn from sigmoid(2 x - 1) for estimate logits x: the online fit finds (bias, slope) = (-1, 2)."""
+    g = torch.Generator().manual_seed(0)
+    fit = OnlineCalibration(1, strength=4.0)
+    assert fit.probability(torch.tensor([[0.0]])).item() == pytest.approx(0.5)  # the prior: the estimate as is
+    for _ in range(1500):
+        x = torch.randn(4, 1, generator=g) * 2
+        accept = torch.rand(4, generator=g) < torch.sigmoid(2 * x[:, 0] - 1)
+        fit.observe(x, int(accept.int().cumprod(0).sum()))  # accepted up to the first rejection, as in decoding
+    assert fit.w.tolist() == pytest.approx([-1.0, 2.0], abs=0.15)
+    fit.reset()
+    assert fit.w.tolist() == [0.0, 1.0] and fit.observed == 0
+
+
+def test_calibrated_rule_drafts_longer_where_the_draft_is_underconfident():
+    flat = CostModel({n: 1.0 + 0.2 * n for n in range(1, 20)}, 0.05)
+    raw = ExpectedThroughput(flat, max_draft_length=8)
+    calibrated = ExpectedThroughput(flat, calibration=4.0, max_draft_length=8)
+    view = _view([0.5, 0.5])
+    assert raw.stop_reason(view) == "throughput"
+    calibrated.reset()
+    for _ in range(30):  # every draft of 50%-probable tokens was accepted whole
+        calibrated.begin_step()
+        calibrated.update(_view([0.5] * 4), 4)
+    assert calibrated.stop_reason(view) is None
+    assert "calibration=4.0" in repr(calibrated)
+
+
+def test_throughput_rule_drafts_nothing_when_no_draft_pays():
+    # a draft forward costs 60% of a target step and verification is flat: only well-accepted drafts pay
+    costs = CostModel({n: 1.0 for n in range(1, 20)}, 0.6)
+    rule = ExpectedThroughput(costs, draft_nothing=True, probe_every=3, max_draft_length=8)
+    rule.reset()
+    assert rule.begin_step() == 8  # nothing seen yet: draft
+    for _ in range(5):
+        rule.update(_view([0.9, 0.9]), 0)  # every first token rejected
+    caps = []
+    for _ in range(6):
+        caps.append(rule.begin_step())
+        if caps[-1]:
+            rule.update(_view([0.9]), 0)
+        else:
+            rule.update(None, 0)
+    assert caps == [0, 0, 8, 0, 0, 8]  # a probe every third step keeps measuring
+    rule.reset()
+    for _ in range(5):
+        rule.begin_step()
+        rule.update(_view([0.9, 0.9, 0.9]), 3)  # accepted: drafting pays again
+    assert rule.begin_step() == 8
+    assert ExpectedThroughput(costs, max_draft_length=8).begin_step() == 8  # off by default
+
+
+def test_cost_rounds_interleave_so_a_burst_of_load_does_not_make_a_stair():
+    """A burst of load that slows four calls in a row: timed in rounds it costs one sample of several
+    functions (dropped by the median); timed one function at a time it would have taken all of one's."""
+    now, calls = [0.0], [0]
+
+    def clock():
+        return now[0]
+
+    def work(seconds):
+        def run():
+            calls[0] += 1
+            now[0] += seconds * (10.0 if 9 <= calls[0] <= 12 else 1.0)  # calls 9-12 run under load
+        return run
+
+    medians = interleaved_medians([work(1.0), work(2.0), work(3.0), work(4.0)], repeats=5, clock=clock)
+    assert medians == [1.0, 2.0, 3.0, 4.0]
+    assert calls[0] == 4 * 6  # one warm-up round, excluded

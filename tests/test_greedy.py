@@ -34,6 +34,15 @@ POLICIES = {
     "throughput-draft": lambda: ExpectedThroughput(CostModel({n: 1.0 for n in range(1, 20)}, 0.05), max_draft_length=8),
     "throughput-head": lambda: ExpectedThroughput(CostModel({n: 1.0 + 0.05 * n for n in range(1, 20)}, 0.05, 0.01),
                                                   estimate="head", block_size=2, max_draft_length=12),
+    # fitted to the accept/reject outcomes while decoding; the draft's and the head's estimates combined
+    "throughput-calibrated": lambda: ExpectedThroughput(CostModel({n: 1.0 for n in range(1, 20)}, 0.05),
+                                                        calibration=1.0, max_draft_length=8),
+    "throughput-both": lambda: ExpectedThroughput(CostModel({n: 1.0 + 0.05 * n for n in range(1, 20)}, 0.05, 0.01),
+                                                  estimate="both", calibration=1.0, max_draft_length=12),
+    # a target step costs little beside a draft forward: some steps draft nothing (a plain target step)
+    "throughput-draft-nothing": lambda: ExpectedThroughput(CostModel({n: 1.0 for n in range(1, 20)}, 0.6),
+                                                           calibration=1.0, draft_nothing=True, probe_every=3,
+                                                           max_draft_length=8),
 }
 
 PROMPT_LENGTHS = [1, 6, 19]

@@ -58,6 +58,11 @@ def test_head_default_rule_follows_its_config():
     assert isinstance(make_policy(None, blocks, costs), Pacer)
     policy = make_policy(None, cost_aware, costs)
     assert isinstance(policy, ExpectedThroughput) and policy.needs_head and policy.max_draft_length == 8
+    assert policy.estimate == "head" and policy.calibration is None and not policy.draft_nothing
+    refitted = PacerConfig(draft_hidden_size=8, max_draft_length=8, stopping_rule="throughput",
+                           throughput_estimate="both", calibration=16.0, draft_nothing=True)
+    policy = make_policy(None, refitted, costs)
+    assert (policy.estimate, policy.calibration, policy.draft_nothing) == ("both", 16.0, True)
     assert isinstance(make_policy("pacer", cost_aware, costs), Pacer)  # named: the paper's rule
     with pytest.raises(ValueError, match="pacer_costs=modeling_pacer.host_costs"):
         make_policy(None, cost_aware)

@@ -12,7 +12,8 @@ import pytest
 import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
 
-from modeling_pacer import FixedLength, Pacer
+from modeling_pacer import ExpectedThroughput, FixedLength, Pacer
+from modeling_pacer.costs import CostModel
 
 from conftest import make_head, make_pair
 
@@ -67,14 +68,25 @@ def models():
     return target, draft, _exact_distribution(target), _exact_distribution(draft)
 
 
-@pytest.mark.parametrize("policy_name", ["pacer", "fixed3"])
+POLICIES = {
+    "pacer": lambda: Pacer(block_size=1, threshold=0.3, growth=1.2, max_draft_length=4),
+    "fixed3": lambda: FixedLength(3),
+    # the cost-aware rule fitted online to the outcomes it sees (head and draft combined), drafting nothing
+    # where drafting does not pay: its choices depend on earlier accepts/rejects, never on what is next
+    "throughput-calibrated": lambda: ExpectedThroughput(CostModel({n: 1.0 + 0.1 * n for n in range(1, 9)}, 0.2, 0.01),
+                                                        estimate="both", calibration=1.0, draft_nothing=True,
+                                                        probe_every=2, max_draft_length=4),
+}
+
+
+@pytest.mark.parametrize("policy_name", list(POLICIES))
 def test_sampling_distribution_is_the_targets(models, policy_name):
     target, draft, target_probs, draft_probs = models
     head = make_head(draft, max_draft_length=8)
     counts: dict[tuple[int, ...], int] = {}
     drafted = accepted = 0
     for seed in range(RUNS):
-        policy = Pacer(block_size=1, threshold=0.3, growth=1.2, max_draft_length=4) if policy_name == "pacer" else FixedLength(3)
+        policy = POLICIES[policy_name]()
         torch.manual_seed(seed)
         out = target.generate(PROMPT, assistant_model=draft, pacer_head=head, stopping_policy=policy,
                               return_dict_in_generate=True, **SETTINGS)

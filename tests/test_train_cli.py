@@ -80,9 +80,19 @@ def test_train_end_to_end_and_push(tmp_path):
     assert 0.0 <= summary["metrics"]["eval_auc"] <= 1.0
     assert 0.0 <= summary["metrics"]["eval_auc_first_token"] <= 1.0
     assert summary["ablations"]["oracle"] >= summary["ablations"]["tuned"] - 1e-9
-    # the head's default rule is whichever replayed faster: the paper's tuned blocks or the cost-aware rule
-    cost_aware = summary["ablations"]["cost-aware rule (expected tokens/s), head estimate, block size 1"]
-    assert head.config.stopping_rule == ("throughput" if cost_aware > summary["ablations"]["tuned"] else "blocks")
+    # the head's default rule is whichever replayed fastest: the paper's tuned blocks, or the cost-aware rule with
+    # the head's estimate as it is or refitted online (alone or with the draft's probability)
+    ablations = summary["ablations"]
+    rules = {("blocks", "head", None): ablations["tuned"],
+             ("throughput", "head", None): ablations["cost-aware rule (expected tokens/s), head estimate, block size 1"]}
+    for estimate, what in (("head", "head estimate"), ("both", "head and draft estimates combined")):
+        for calibration in (4.0, 16.0, 64.0):
+            rules[("throughput", estimate, calibration)] = ablations[
+                f"cost-aware rule, {what} fitted online (calibration {calibration:g})"]
+    chosen = (head.config.stopping_rule, head.config.throughput_estimate, head.config.calibration)
+    assert rules[chosen] == max(rules.values())
+    assert head.config.draft_nothing == (head.config.stopping_rule == "throughput")
+    assert "cost-aware rule, draft probability fitted online (calibration 16)" in ablations
     fixed = [v for k, v in summary["ablations"].items() if k.startswith("best fixed draft length, no head")]
     assert len(fixed) == 1 and fixed[0] <= summary["ablations"]["oracle"] + 1e-9
     assert len(list((tmp_path / "run" / "traces").glob("*.seconds"))) == 6  # each trace's recording time is kept

@@ -253,6 +253,54 @@ class Pacer(StoppingPolicy):
         return None
 
 
+def _logit(p: torch.Tensor) -> torch.Tensor:
+    p = p.float().clamp(1e-4, 1.0 - 1e-4)
+    return torch.log(p) - torch.log1p(-p)
+
+
+class OnlineCalibration:
+    """Platt scaling learnt while decoding: P(token j accepted | tokens before it accepted) =
+    sigmoid(w . [1, x_j]), where x_j are the logits of the per-token estimates (the draft's token probability,
+    the head's conditional prediction, or both), fitted to the accept/reject outcome of every verified draft token.
+
+    An estimate trained or read on one kind of text is off on another (a head trained on chat is pessimistic
+    on code, where the draft agrees more); every verification says, for free, which draft tokens were right,
+    so the estimate can follow the text it is decoding. The fit is a Bayesian logistic regression updated one
+    outcome at a time with a Newton step (the Laplace approximation: H accumulates q(1-q) x x^T), starting at
+    `weights` (the raw estimate itself: bias 0, slopes summing to 1) with a Gaussian prior worth `strength`
+    outcomes per weight, so a few outcomes move it little and a few hundred (one prompt) decide it.
+    """
+
+    def __init__(self, num_features: int = 1, strength: float = 4.0, weights: list[float] | None = None):
+        _check_range("calibration strength", strength, 0.0)
+        if strength == 0.0:
+            raise ValueError("calibration strength must be > 0 (the prior keeps the first steps stable).")
+        self.weights0 = list(weights) if weights is not None else [0.0] + [1.0 / num_features] * num_features
+        if len(self.weights0) != num_features + 1:
+            raise ValueError(f"calibration weights need {num_features + 1} values (a bias, then one per feature).")
+        self.strength = strength
+        self.reset()
+
+    def reset(self) -> None:
+        self.w = torch.tensor(self.weights0, dtype=torch.float64)
+        self.H = torch.eye(self.w.shape[0], dtype=torch.float64) * self.strength
+        self.observed = 0
+
+    def probability(self, x: torch.Tensor) -> torch.Tensor:
+        """`(k, num_features)` estimate logits -> `(k,)` calibrated conditional acceptance probabilities."""
+        return torch.sigmoid(self.w[1:] @ x.double().T + self.w[0])
+
+    def observe(self, x: torch.Tensor, num_accepted: int) -> None:
+        """One verified draft: `x` `(m, num_features)` the logits of its first m tokens' estimates, of which the
+        first `num_accepted` were accepted. Token j's conditional outcome is known for j <= num_accepted."""
+        for j in range(min(num_accepted + 1, x.shape[0])):
+            features = torch.cat([torch.ones(1, dtype=torch.float64), x[j].double()])
+            q = float(torch.sigmoid(self.w @ features))
+            self.H += q * (1.0 - q) * torch.outer(features, features)
+            self.w -= torch.linalg.solve(self.H, (q - float(j < num_accepted)) * features)
+            self.observed += 1
+
+
 class ExpectedThroughput(StoppingPolicy):
     """Stop drafting when no longer draft is expected to emit more tokens per second than stopping now,
     with the verification cost curve measured on this machine (`costs`: a `modeling_pacer.costs.CostModel`,
@@ -269,36 +317,99 @@ class ExpectedThroughput(StoppingPolicy):
 
     `estimate="draft"`: c_j = product of the draft's own token probabilities (training-free);
     `estimate="head"`: c_j = the head's prediction (a PACER head is trained on cumulative labels, so its
-    j-th output already is P(first j accepted)), read every `block_size` tokens as in the paper.
+    j-th output already is P(first j accepted)), read every `block_size` tokens as in the paper;
+    `estimate="both"` (needs `calibration`): the draft's probability and the head's conditional prediction
+    combined by the online fit.
+
+    `calibration` (a prior strength, e.g. 4.0; None: the raw estimate): the per-token conditional estimates
+    go through an [`OnlineCalibration`] fitted to this call's accept/reject outcomes, c_j their product.
+    `draft_nothing`: before each step, judge drafting at all with the calibrated acceptance rate seen so far
+    (a decayed mean over verified tokens, each token's conditional chance taken as that rate); when no length
+    is expected to beat the target alone (1 token per target(1) seconds), the step drafts nothing, except
+    every `probe_every`-th such step, which drafts so that the rate keeps being measured.
     """
 
     name = "throughput"
 
-    def __init__(self, costs=None, estimate: str = "draft", max_draft_length: int = 16, block_size: int = 1):
+    def __init__(self, costs=None, estimate: str = "draft", max_draft_length: int = 16, block_size: int = 1,
+                 calibration: float | None = None, draft_nothing: bool = False, probe_every: int = 8):
         super().__init__(max_draft_length=max_draft_length)
         if costs is None or not hasattr(costs, "step"):
             raise ValueError("ExpectedThroughput needs `costs`: this machine's cost model, e.g. "
                              "modeling_pacer.costs.host_costs(target, draft, head).")
-        if estimate not in ("draft", "head"):
-            raise ValueError(f"ExpectedThroughput estimate must be 'draft' or 'head', got {estimate!r}.")
+        if estimate not in ("draft", "head", "both"):
+            raise ValueError(f"ExpectedThroughput estimate must be 'draft', 'head' or 'both', got {estimate!r}.")
+        if estimate == "both" and calibration is None:
+            raise ValueError("ExpectedThroughput estimate='both' combines two estimates by the online fit: pass calibration=.")
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"ExpectedThroughput block_size must be an integer >= 1, got {block_size!r}.")
+        if not isinstance(probe_every, int) or probe_every < 1:
+            raise ValueError(f"ExpectedThroughput probe_every must be an integer >= 1, got {probe_every!r}.")
         self.costs = costs
         self.estimate = estimate
         self.block_size = block_size
-        self.needs_head = estimate == "head"
+        self.needs_head = estimate != "draft"
+        self.calibration = calibration
+        self.draft_nothing = draft_nothing
+        self.probe_every = probe_every
+        self._fit = OnlineCalibration(2 if estimate == "both" else 1, calibration) if calibration is not None else None
+        self.reset()
+
+    def reset(self) -> None:
+        if self._fit is not None:
+            self._fit.reset()
+        self._x = None  # the estimate logits of the tokens the rule has seen this step
+        self._accepted, self._verified = 0.0, 0.0  # decayed counts of accepted / verified draft tokens
+        self._skipped = 0
+
+    def _head_calls(self, k: int) -> int:
+        return -(-k // self.block_size) if self.needs_head else 0
+
+    def begin_step(self) -> int:
+        self._x = None
+        if not self.draft_nothing or self._verified < 1.0:
+            return self.max_draft_length
+        # each token's conditional chance taken as the rate a seen so far: c_j = a^j
+        a = min(self._accepted / self._verified, 1.0)
+        rate_alone = 1.0 / self.costs.step(0)
+        tokens, c = 1.0, 1.0
+        for k in range(1, self.max_draft_length + 1):
+            c *= a
+            tokens += c
+            if tokens / self.costs.step(k, self._head_calls(k)) > rate_alone:
+                self._skipped = 0
+                return self.max_draft_length
+        self._skipped += 1
+        if self._skipped >= self.probe_every:
+            self._skipped = 0
+            return self.max_draft_length
+        return 0
+
+    def _features(self, draft: DraftView) -> torch.Tensor:
+        """`(k, f)` logits of the per-token conditional estimates the fit reads."""
+        columns = []
+        if self.estimate in ("draft", "both"):
+            columns.append(_logit(draft.token_probs))
+        if self.estimate in ("head", "both"):
+            c = torch.cummin(draft.acceptance().float().clamp(1e-4, 1.0), dim=0).values
+            columns.append(_logit(c / torch.cat([c.new_ones(1), c[:-1]])))  # P(j | first j-1 accepted)
+        return torch.stack(columns, dim=1)
+
+    def _cumulative(self, draft: DraftView) -> list[float]:
+        if self._fit is not None:
+            self._x = self._features(draft)
+            return torch.cumprod(self._fit.probability(self._x), dim=0).tolist()
+        if self.estimate == "head":
+            # cumulative predictions; a later one can only be less likely than an earlier one
+            return torch.cummin(draft.acceptance().float().clamp(0.0, 1.0), dim=0).values.tolist()
+        return torch.cumprod(draft.token_probs.float().clamp(0.0, 1.0), dim=0).tolist()
 
     def stop_reason(self, draft: DraftView) -> str | None:
         k = draft.length
         if k % self.block_size != 0 and k < self.max_draft_length:
             return None
-        if self.estimate == "head":
-            # cumulative predictions; a later one can only be less likely than an earlier one
-            c = torch.cummin(draft.acceptance().float().clamp(0.0, 1.0), dim=0).values
-        else:
-            c = torch.cumprod(draft.token_probs.float().clamp(0.0, 1.0), dim=0)
-        c = c.tolist()
-        calls = (k // self.block_size) if self.estimate == "head" else 0
+        c = self._cumulative(draft)
+        calls = self._head_calls(k)
         tokens = 1.0 + sum(c)
         rate_now = tokens / self.costs.step(k, calls)
         r = c[-1] / c[-2] if k > 1 and c[-2] > 0 else c[-1]
@@ -306,14 +417,27 @@ class ExpectedThroughput(StoppingPolicy):
         for longer in range(k + 1, self.max_draft_length + 1):
             c_j *= r
             expected += c_j
-            extra_calls = calls + (longer - k + self.block_size - 1) // self.block_size if self.estimate == "head" else 0
-            if expected / self.costs.step(longer, extra_calls) > rate_now:
+            if expected / self.costs.step(longer, self._head_calls(longer)) > rate_now:
                 return None
         return "throughput"
 
+    def update(self, draft: DraftView | None, num_accepted: int) -> None:
+        if draft is None:
+            return
+        if self._fit is not None:
+            # the draft estimate is known for every drafted token; the head's only as far as the rule read it
+            x = self._features(draft) if self.estimate == "draft" else self._x
+            if x is not None:
+                self._fit.observe(x, num_accepted)
+        # decayed so that the rate follows the text (a half-life of about 14 steps)
+        self._accepted = 0.95 * self._accepted + num_accepted
+        self._verified = 0.95 * self._verified + min(num_accepted + 1, draft.length)
+
     def __repr__(self) -> str:
+        extra = f", calibration={self.calibration}" if self.calibration is not None else ""
+        extra += f", draft_nothing=True, probe_every={self.probe_every}" if self.draft_nothing else ""
         return (f"ExpectedThroughput(estimate={self.estimate!r}, max_draft_length={self.max_draft_length}, "
-                f"block_size={self.block_size})")
+                f"block_size={self.block_size}{extra})")
 
 
 POLICIES: dict[str, type[StoppingPolicy]] = {
@@ -337,7 +461,11 @@ def make_policy(policy: "str | StoppingPolicy | None", head_config=None, costs=N
                     "machine's cost model: pass pacer_costs=modeling_pacer.host_costs(target, draft, head), or choose "
                     "another rule with stopping_policy=... (e.g. 'pacer' for the paper's block rule)."
                 )
-            return ExpectedThroughput(costs, "head", head_config.max_draft_length)  # the head read at every token
+            return ExpectedThroughput(  # the head read at every token
+                costs, getattr(head_config, "throughput_estimate", "head"), head_config.max_draft_length,
+                calibration=getattr(head_config, "calibration", None),  # absent from heads saved before they existed
+                draft_nothing=getattr(head_config, "draft_nothing", False),
+            )
         return Pacer.from_config(head_config)
     if isinstance(policy, str) and policy in POLICIES:
         return POLICIES[policy]()

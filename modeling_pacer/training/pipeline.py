@@ -305,8 +305,8 @@ def train(args: RunArguments, pair, prompts: list[tuple[str, torch.Tensor]], dat
 
     from ..costs import host_costs
     from .trainer import first_token_auc, first_token_predictors
-    from .tuning import (best_fixed_length, cost_aware_ablations, cost_aware_label, cost_aware_speedup, oracle_speedup,
-                         rule_ablations, tune_pacer)
+    from .tuning import (CALIBRATIONS, best_fixed_length, calibrated_label, cost_aware_ablations, cost_aware_label,
+                         cost_aware_speedup, oracle_speedup, rule_ablations, tune_pacer)
 
     script = args.script
     state = _process_state(args.training.use_cpu)
@@ -361,8 +361,14 @@ def train(args: RunArguments, pair, prompts: list[tuple[str, torch.Tensor]], dat
     ablations = rule_ablations(candidates)
     cost_aware = cost_aware_ablations(head, eval_traces, costs, script.max_draft)
     ablations.update(cost_aware)
-    if cost_aware[cost_aware_label(1)] > best.speedup:  # the head's default: whichever replays faster
-        head.config.stopping_rule = "throughput"
+    # the head's default: whichever of its rules replays fastest (the paper's blocks, the cost-aware rule with the
+    # head's estimate as it is, or refitted online alone or with the draft's probability)
+    defaults = {("blocks", "head", None): best.speedup, ("throughput", "head", None): cost_aware[cost_aware_label(1)]}
+    defaults.update({("throughput", estimate, calibration): cost_aware[calibrated_label(estimate, calibration)]
+                     for estimate in ("head", "both") for calibration in CALIBRATIONS})
+    rule, estimate, calibration = max(defaults, key=defaults.get)  # ties: the first, the paper's rule
+    head.config.stopping_rule, head.config.throughput_estimate, head.config.calibration = rule, estimate, calibration
+    head.config.draft_nothing = rule == "throughput"
     predictors = first_token_predictors(head, eval_traces)
     for name, variant in variants.items():
         first = first_token_auc(variant, eval_traces)  # the draft's own predictors do not change with the head

@@ -94,7 +94,24 @@ def cost_aware_speedup(head, traces: list[Trace], costs: CostModel, max_draft_le
                             acceptance)
 
 
+def calibrated_speedup(head, traces: list[Trace], costs: CostModel, max_draft_length: int, estimate: str,
+                       calibration: float, acceptance=None) -> float:
+    """The cost-aware rule with its per-token estimates refitted online ([`OnlineCalibration`]), replayed:
+    `estimate` "draft", "head" or "both"; `acceptance`: the head's predictions per trace, when already computed."""
+    if estimate != "draft" and acceptance is None:
+        acceptance = [head_acceptance(head, t) for t in traces]
+    return replayed_speedup(lambda: ExpectedThroughput(costs, estimate, max_draft_length, calibration=calibration,
+                                                       draft_nothing=True),
+                            traces, costs, acceptance if estimate != "draft" else [None] * len(traces))
+
+
 COST_AWARE_BLOCKS = (1, 2, 3)  # how often the cost-aware rule reads the head
+CALIBRATIONS = (4.0, 16.0, 64.0)  # prior strengths of the online fit tried (outcomes' worth; one prompt gives ~100)
+
+
+def calibrated_label(estimate: str, calibration: float) -> str:
+    what = {"head": "head estimate", "both": "head and draft estimates combined", "draft": "draft probability"}[estimate]
+    return f"cost-aware rule, {what} fitted online (calibration {calibration:g})"
 
 
 def cost_aware_label(block_size: int) -> str:
@@ -108,4 +125,9 @@ def cost_aware_ablations(head, traces: list[Trace], costs: CostModel, max_draft_
            for b in COST_AWARE_BLOCKS if b <= max_draft_length}
     out["cost-aware rule, draft probability estimate (no head)"] = cost_aware_speedup(None, traces, costs,
                                                                                         max_draft_length)
+    acceptance = [head_acceptance(head, t) for t in traces]
+    for estimate in ("head", "both", "draft"):
+        for calibration in CALIBRATIONS:
+            out[calibrated_label(estimate, calibration)] = calibrated_speedup(
+                head, traces, costs, max_draft_length, estimate, calibration, acceptance)
     return out
