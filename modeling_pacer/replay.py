@@ -9,6 +9,7 @@ replayed exactly; time comes from a cost model measured on the same machine.
 """
 
 import json
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -299,6 +300,15 @@ def record_trace(draft, target, input_ids: torch.Tensor, output: torch.Tensor, m
     when they are already known (`output` itself, produced by the target's exact greedy decoding), which
     saves the target forward.
     """
+    from .pairs.loading import row_variant_linears
+
+    if row_variant_linears(draft):
+        warnings.warn(
+            "The draft has dynamic-int8 Linear layers, which quantize each call's input with one scale: the trace's "
+            "features (one long forward) differ from what the draft computes in decoding steps, and a head trained "
+            "on them misjudges live drafts. Record with a row-invariant draft (--quantize-draft int4, or none).",
+            stacklevel=2,
+        )
     n, prefix = output.shape[0], input_ids.shape[1]
     ids = torch.cat([input_ids, output[None]], dim=1)
     if target_choice is None:

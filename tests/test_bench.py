@@ -381,3 +381,24 @@ def test_greedy_agreement_scores_a_models_text_by_another():
     rows = [dict(dataset="x", **same), dict(dataset="y", **other)]
     table = {r["dataset"]: r for r in summarize(rows)}
     assert table["all"]["tokens"] == 24 and table["all"]["agreement"] == pytest.approx((1 + other["agreement"]) / 2)
+
+
+def test_recording_with_a_row_variant_draft_warns():
+    """A dynamic-int8 draft quantizes each call's input with one scale, so a trace's one long forward computes
+    other features than decoding steps: recording with it says so; a plain draft records silently."""
+    import warnings
+
+    from modeling_pacer.pairs import quantize_dynamic_int8
+    from modeling_pacer.pairs.loading import row_variant_linears
+
+    target, draft = make_pair("llama", "llama", "noisy")
+    ids = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(2))
+    output = target.generate(ids, max_new_tokens=12, do_sample=False)[0, 5:]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        record_trace(draft, target, ids, output, 4)
+    assert row_variant_linears(draft) == 0
+    quantize_dynamic_int8(draft)
+    assert row_variant_linears(draft) > 0
+    with pytest.warns(UserWarning, match="--quantize-draft int4"):
+        record_trace(draft, target, ids, output, 4)

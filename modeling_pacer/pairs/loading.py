@@ -98,6 +98,12 @@ def quantize_dynamic_int8(model: torch.nn.Module) -> torch.nn.Module:
     prompt of HumanEval/GSM8K/MT-Bench: 0.97/0.94/0.50 per-channel, 0.88/0.84/0.34 per-tensor, fp32
     1.00/0.97/0.63 -- a small sample, but the same direction on all three).
     Needs an fp32 model on CPU. The model's other modules (embeddings, norms) stay fp32.
+
+    Not row-invariant: the input is quantized with one scale per call, so a long forward (as `record_trace`
+    runs over a whole output) computes other logits than decoding steps do (up to 4.8 apart on the default
+    draft, benchmarks/results/2026-11-30-draft-row-invariance): traces, and heads trained on them, then
+    describe another draft than the one that runs. The weight-only int4 draft (`quantize_draft="int4"`) has
+    no such gap.
     """
     from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
 
@@ -272,6 +278,13 @@ def load_draft(source: ModelSource | str, dtype: torch.dtype, quantize_draft: st
     return draft_model
 
 
+def row_variant_linears(model: torch.nn.Module) -> int:
+    """How many of `model`'s layers compute a row differently depending on the other rows of the call (torch's
+    dynamic-int8 Linear: one input scale per call). 0 means a long forward gives each position what a
+    decoding step would, up to floating-point rounding."""
+    return sum(1 for m in model.modules() if type(m).__module__.startswith("torch.ao.nn.quantized.dynamic"))
+
+
 def merge_adapter(model: torch.nn.Module, adapter: str | os.PathLike) -> torch.nn.Module:
     """`model` with the peft adapter `adapter` (folder or Hub repo id) merged into its weights, in eval mode.
 
@@ -344,7 +357,9 @@ class PairArguments:
         default=None,
         metadata={"help": "quantized draft: cheaper drafting, still lossless (only the target's numerics matter); "
                           "--quantize-draft alone is dynamic int8, --quantize-draft int4 is 4-bit weights with "
-                          "bf16 activations; a head is trained on (and recorded with) the draft it will serve",
+                          "bf16 activations (faster here, and the same function in one forward as in decoding "
+                          "steps, so its traces describe it: use it to record and train heads); a head is "
+                          "trained on (and recorded with) the draft it will serve",
                   "choices": tuple(DRAFT_QUANTIZATIONS), "nargs": "?", "const": "int8"},
     )
     quantize_target: str | None = field(
