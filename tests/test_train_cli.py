@@ -337,7 +337,8 @@ def test_committed_commands_parse_to_their_settings():
     assert readme.pair.quantize_draft and readme.script.ablate_position_embedding
 
 
-@pytest.mark.parametrize("name", ["qwen2.5-coder-1.5b-0.5b", "qwen2.5-coder-1.5b-0.5b-bf16", "qwen2.5-coder-1.5b-0.5b-aligned"])
+@pytest.mark.parametrize("name", ["qwen2.5-coder-1.5b-0.5b", "qwen2.5-coder-1.5b-0.5b-bf16", "qwen2.5-coder-1.5b-0.5b-aligned",
+                                  "qwen2.5-coder-1.5b-0.5b-int4"])
 def test_recipe_is_the_committed_heads_command(tmp_path, name):
     """training/NAME.yaml trains what the committed head heads/NAME's card says it was trained with (but for
     where that run kept its files, and another run's traces it took the target's outputs from); a JSON recipe
