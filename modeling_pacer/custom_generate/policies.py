@@ -267,17 +267,14 @@ class OnlineCalibration:
     on code, where the draft agrees more); every verification says, for free, which draft tokens were right,
     so the estimate can follow the text it is decoding. The fit is a Bayesian logistic regression updated one
     outcome at a time with a Newton step (the Laplace approximation: H accumulates q(1-q) x x^T), starting at
-    `weights` (the raw estimate itself: bias 0, slopes summing to 1) with a Gaussian prior worth `strength`
-    outcomes per weight, so a few outcomes move it little and a few hundred (one prompt) decide it.
+    the raw estimate itself (bias 0, slopes summing to 1) with a Gaussian prior worth `strength` outcomes per
+    weight, so a few outcomes move it little and a few hundred (one prompt) decide it.
     """
 
-    def __init__(self, num_features: int = 1, strength: float = 4.0, weights: list[float] | None = None):
-        _check_range("calibration strength", strength, 0.0)
-        if strength == 0.0:
-            raise ValueError("calibration strength must be > 0 (the prior keeps the first steps stable).")
-        self.weights0 = list(weights) if weights is not None else [0.0] + [1.0 / num_features] * num_features
-        if len(self.weights0) != num_features + 1:
-            raise ValueError(f"calibration weights need {num_features + 1} values (a bias, then one per feature).")
+    def __init__(self, num_features: int = 1, strength: float = 4.0):
+        if not strength > 0.0:
+            raise ValueError(f"calibration strength must be > 0 (the prior keeps the first steps stable), got {strength}.")
+        self.weights0 = [0.0] + [1.0 / num_features] * num_features
         self.strength = strength
         self.reset()
 
@@ -323,7 +320,7 @@ class ExpectedThroughput(StoppingPolicy):
 
     `calibration` (a prior strength, e.g. 4.0; None: the raw estimate): the per-token conditional estimates
     go through an [`OnlineCalibration`] fitted to this call's accept/reject outcomes, c_j their product.
-    `draft_nothing`: before each step, judge drafting at all with the calibrated acceptance rate seen so far
+    `draft_nothing`: before each step, judge drafting at all with the acceptance rate seen so far in the call
     (a decayed mean over verified tokens, each token's conditional chance taken as that rate); when no length
     is expected to beat the target alone (1 token per target(1) seconds), the step drafts nothing, except
     every `probe_every`-th such step, which drafts so that the rate keeps being measured.

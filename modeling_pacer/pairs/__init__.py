@@ -60,8 +60,8 @@ from .registry import (
 
 __all__ = [
     "DEFAULT_PAIR", "PAIRS", "ChecksumError", "GGUFParts", "LoadedPair", "ModelSource", "PairArguments", "PairSpec",
-    "WeightsNotInstalledError", "add_pair_arguments", "default_draft_dtype", "assemble", "cache_root", "convert_gguf", "converted_ok",
-    "converted_path", "default_head_path", "ensure_converted", "ensure_gguf", "get_pair", "gguf_path",
+    "WeightsNotInstalledError", "add_pair_arguments", "assemble", "cache_root", "convert_gguf", "converted_ok",
+    "converted_path", "default_draft_dtype", "default_head_path", "ensure_converted", "ensure_gguf", "get_pair", "gguf_path",
     "install_command", "load_draft", "load_model", "load_pair", "load_tokenizer",
     "merge_adapter", "model_location", "pair_from_args",
     "part_paths", "quantize_dynamic_int8", "register_pair", "resolve_pair", "sha256_file", "tokenizers_match",

@@ -83,13 +83,16 @@ def rule_ablations(candidates: list[Candidate]) -> dict[str, float]:
     return out
 
 
-def cost_aware_speedup(head, traces: list[Trace], costs: CostModel, max_draft_length: int, block_size: int = 1) -> float:
+def cost_aware_speedup(head, traces: list[Trace], costs: CostModel, max_draft_length: int, block_size: int = 1,
+                       acceptance=None) -> float:
     """The cost-aware rule ([`ExpectedThroughput`]) with `head`'s cumulative predictions as the estimate
-    (checked every `block_size` tokens), replayed; with `head=None`, the draft's own token probabilities."""
+    (checked every `block_size` tokens), replayed; with `head=None`, the draft's own token probabilities.
+    `acceptance`: the head's predictions per trace, when already computed."""
     if head is None:
         return replayed_speedup(lambda: ExpectedThroughput(costs, "draft", max_draft_length), traces, costs,
                                 [None] * len(traces))
-    acceptance = [head_acceptance(head, t) for t in traces]
+    if acceptance is None:
+        acceptance = [head_acceptance(head, t) for t in traces]
     return replayed_speedup(lambda: ExpectedThroughput(costs, "head", max_draft_length, block_size), traces, costs,
                             acceptance)
 
@@ -121,11 +124,11 @@ def cost_aware_label(block_size: int) -> str:
 def cost_aware_ablations(head, traces: list[Trace], costs: CostModel, max_draft_length: int) -> dict[str, float]:
     """The cost-aware rule beside the paper's: with the head's estimate at block sizes 1-3, and with the
     draft's own probabilities (no head)."""
-    out = {cost_aware_label(b): cost_aware_speedup(head, traces, costs, max_draft_length, b)
+    acceptance = [head_acceptance(head, t) for t in traces]  # the head's predictions do not depend on the rule
+    out = {cost_aware_label(b): cost_aware_speedup(head, traces, costs, max_draft_length, b, acceptance)
            for b in COST_AWARE_BLOCKS if b <= max_draft_length}
     out["cost-aware rule, draft probability estimate (no head)"] = cost_aware_speedup(None, traces, costs,
                                                                                         max_draft_length)
-    acceptance = [head_acceptance(head, t) for t in traces]
     for estimate in ("head", "both", "draft"):
         for calibration in CALIBRATIONS:
             out[calibrated_label(estimate, calibration)] = calibrated_speedup(
