@@ -31,6 +31,9 @@ class Trace:
         token_probs, entropies: `(N, max_draft)` what the draft's own draft from position i looked like.
         hidden: `(N, max_draft, hidden)` float16 draft hidden states for head-based rules, or None.
         output: `(N,)` the target's greedy output the trace follows.
+        target_probs: `(N, max_draft)` the target's probability of each of those draft tokens in the draft's
+            context, or None: with `token_probs` (the draft's), the acceptance probability min(1, p/q) a
+            sampled draft of that token would have, the soft labels of [`examples_from_trace`].
     """
 
     dataset: str
@@ -40,6 +43,7 @@ class Trace:
     token_probs: torch.Tensor | None = None
     entropies: torch.Tensor | None = None
     hidden: torch.Tensor | None = None
+    target_probs: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -49,7 +53,7 @@ class Trace:
 # --------------------------------------------------------------------------------------------------
 # trace files: safetensors (tensors) + JSON in its string metadata; loading one runs no code
 # --------------------------------------------------------------------------------------------------
-_TRACE_TENSORS = ("match", "output", "token_probs", "entropies", "hidden")
+_TRACE_TENSORS = ("match", "output", "token_probs", "entropies", "hidden", "target_probs")
 
 
 @dataclass
@@ -263,7 +267,7 @@ def _continuations(draft, cache, prefix: int, misses: list[int], first: torch.Te
     position p sees the keys of prompt + output[:p], then its own tokens: `first[i]` (the miss itself, at
     position prefix + p) and what it drafts after it. All misses advance together, one draft forward of
     len(misses) tokens per drafted token, with a 4-D mask that lets each see only its own keys (as a tree
-    of drafts), instead of one forward per token per miss. Returns `{p: [(prob, entropy, hidden), ...]}`
+    of drafts), instead of one forward per token per miss. Returns `{p: [(prob, entropy, hidden, token), ...]}`
     for the `steps` tokens after each miss; the cache is cropped back."""
     base, m = cache.get_seq_length(), len(misses)
     starts = prefix + torch.tensor(misses)
@@ -277,7 +281,7 @@ def _continuations(draft, cache, prefix: int, misses: list[int], first: torch.Te
         tokens, probs, entropies = _features(out.logits[0].cpu())
         hidden = out.hidden_states[-1][0].cpu()
         for i, p in enumerate(misses):
-            rows[p].append((probs[i], entropies[i], hidden[i]))
+            rows[p].append((probs[i], entropies[i], hidden[i], int(tokens[i])))
         feed = tokens.view(1, m)
     crop_cache(cache, base)
     return rows
@@ -285,7 +289,8 @@ def _continuations(draft, cache, prefix: int, misses: list[int], first: torch.Te
 
 @torch.no_grad()
 def record_trace(draft, target, input_ids: torch.Tensor, output: torch.Tensor, max_draft: int,
-                 dataset="", prompt_id="", target_choice: torch.Tensor | None = None) -> Trace:
+                 dataset="", prompt_id="", target_choice: torch.Tensor | None = None,
+                 with_target_probs: bool = False) -> Trace:
     """The same trace as [`record_trace_by_decoding`] for greedy decoding (up to float rounding in the
     features: the draft runs on other shapes), at the cost of one target forward, one draft forward, and
     `max_draft - 1` draft forwards that continue every draft past its first miss at once.
@@ -298,7 +303,8 @@ def record_trace(draft, target, input_ids: torch.Tensor, output: torch.Tensor, m
     The target forward gives the target's greedy choice at every position (equal to `output` when
     `output` is the target's greedy output; computed, not assumed). `target_choice` `(N,)`: those choices
     when they are already known (`output` itself, produced by the target's exact greedy decoding), which
-    saves the target forward.
+    saves the target forward. `with_target_probs`: also record the target's probability of every draft
+    token ([`Trace`]'s `target_probs`, for soft labels), with one more sweep of the target ([`_target_probs`]).
     """
     from .pairs.loading import row_variant_linears
 
@@ -332,5 +338,43 @@ def record_trace(draft, target, input_ids: torch.Tensor, output: torch.Tensor, m
             if j <= m:  # up to and including the first miss the context is the target's output
                 probs[i, j], entropies[i, j], hidden[i, j] = tf_probs[i + j], tf_entropy[i + j], tf_hidden[i + j]
             else:  # after the miss at p = i + m: the draft's own continuation
-                probs[i, j], entropies[i, j], hidden[i, j] = cont[i + m][j - m - 1]
-    return Trace(dataset, prompt_id, match, output, probs, entropies, hidden)
+                probs[i, j], entropies[i, j], hidden[i, j] = cont[i + m][j - m - 1][:3]
+    target_probs = None
+    if with_target_probs:
+        on_path, after_miss = _target_probs(target, ids, prefix, tf_tokens, cont)
+        target_probs = torch.zeros(n, max_draft)
+        for i in range(n):
+            m = int(match[i])
+            for j in range(min(max_draft, n - i)):
+                target_probs[i, j] = on_path[i + j] if j <= m else after_miss[i + m][j - m - 1]
+    return Trace(dataset, prompt_id, match, output, probs, entropies, hidden, target_probs)
+
+
+@torch.no_grad()
+def _target_probs(target, ids: torch.Tensor, prefix: int, tf_tokens: torch.Tensor, cont: dict):
+    """The target's probability of every token a trace's drafts propose, for soft labels.
+
+    `ids` `(1, prefix + N)`: prompt + output; `tf_tokens` `(N,)`: the draft's teacher-forced tokens (what a
+    draft proposes up to its first miss, in the output's context); `cont`: [`_continuations`]'s rows, whose
+    tokens follow the miss at p. One sweep along the output with the target's cache: the output is fed in
+    chunks that end at each miss (their logits give the on-path probabilities), and at the miss at p the
+    cache holds prompt + output[:p], so the miss and its continuation are fed there as their own short
+    sequence (causal: the exact attention refuses tree masks) and cropped away again. Returns `(on_path (N,),
+    {p: [prob of the s-th token after the miss, ...]})`."""
+    n = tf_tokens.shape[0]
+    cache = DynamicCache(config=target.config.get_text_config(decoder=True))
+    path_logits, after_miss, fed = [], {}, 0
+    for stop, p in [(prefix + p, p) for p in sorted(cont)] + [(prefix + n - 1, None)]:
+        if stop > fed:
+            logits, _ = model_forward(target, ids[:, fed:stop], cache, stop - fed)
+            path_logits.append(logits[0].cpu())
+            fed = stop
+        if p is not None:
+            branch = torch.tensor([[int(tf_tokens[p])] + [row[3] for row in cont[p][:-1]]])
+            logits, _ = model_forward(target, branch, cache, branch.shape[1])
+            dist = logits[0].cpu().softmax(-1)
+            after_miss[p] = [float(dist[s, row[3]]) for s, row in enumerate(cont[p])]
+            crop_cache(cache, fed)
+    # row r of the path logits predicts ids[r + 1]: output position k is predicted by row prefix - 1 + k
+    dist = torch.cat(path_logits)[prefix - 1 :].softmax(-1)
+    return dist.gather(-1, tf_tokens[:, None])[:, 0], after_miss

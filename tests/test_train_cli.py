@@ -91,7 +91,7 @@ def test_train_end_to_end_and_push(tmp_path):
                 f"cost-aware rule, {what} fitted online (calibration {calibration:g})"]
     chosen = (head.config.stopping_rule, head.config.throughput_estimate, head.config.calibration)
     assert rules[chosen] == max(rules.values())
-    assert head.config.draft_nothing == (head.config.stopping_rule == "throughput")
+    assert head.config.draft_nothing == (head.config.calibration is not None)  # the rule as it was replayed
     assert "cost-aware rule, draft probability fitted online (calibration 16)" in ablations
     fixed = [v for k, v in summary["ablations"].items() if k.startswith("best fixed draft length, no head")]
     assert len(fixed) == 1 and fixed[0] <= summary["ablations"]["oracle"] + 1e-9
@@ -190,6 +190,47 @@ def test_resume_reuses_traces(tmp_path, monkeypatch):
     # traces recorded with other settings are not mixed into this run's
     with pytest.raises(pipeline.TrainingError, match="'max_draft': 6.*'max_draft': 4"):
         pipeline.record_traces(pair, prompts[:2], 16, 4, tmp_path / "traces", resume=True)
+
+
+def test_train_with_soft_labels(tmp_path, monkeypatch):
+    """--soft-labels records the target's probabilities, trains on prod(min(1, p/q)) (what the trainer's
+    collator packs as labels) and says so in the card."""
+    from modeling_pacer.training.data import PackedDraftCollator
+
+    pair, prompts = _pair_and_prompts("random")  # near-uniform tiny models: a noisy copy's p/q is all close to 1
+    packed = []
+    original = PackedDraftCollator.__call__
+
+    def collate(self, features):
+        batch = original(self, features)
+        packed.append(batch["labels"][batch["labels"] >= 0])
+        return batch
+
+    monkeypatch.setattr(PackedDraftCollator, "__call__", collate)
+    summary = pipeline.train(_args(tmp_path, "--soft-labels"), pair, prompts, "Tiny random prompts.")
+    labels = torch.cat(packed)
+    assert ((labels > 0) & (labels < 1)).float().mean() > 0.5  # the trainer saw soft labels, not 0/1
+    assert "trained on soft labels" in (tmp_path / "run" / "head" / "README.md").read_text()
+    assert summary["prompts"] == {"train": 4, "eval": 2}
+
+
+def test_soft_label_traces_hold_target_probabilities_and_are_kept_apart(tmp_path):
+    """`target_probs=True` (pacer-train --soft-labels) records the target's probability of every draft token
+    (the soft labels of test_training's check) and says so in the file: a soft-label run does not resume from
+    greedy files, which lack them, while a greedy run reuses soft-label files (the same traces, and more)."""
+    pair, prompts = _pair_and_prompts()
+    soft = pipeline.record_traces(pair, prompts[:2], 16, 6, tmp_path / "soft", resume=False, target_probs=True)
+    greedy = pipeline.record_traces(pair, prompts[:2], 16, 6, tmp_path / "greedy", resume=False)
+    for s, g in zip(soft, greedy):
+        assert g.target_probs is None and s.target_probs.shape == s.token_probs.shape
+        assert torch.equal(s.match, g.match) and torch.equal(s.token_probs, g.token_probs)
+        assert ((s.target_probs > 0) & (s.target_probs <= 1)).any()
+    again = pipeline.record_traces(pair, prompts[:2], 16, 6, tmp_path / "soft", resume=True, target_probs=True)
+    assert all(torch.equal(a.target_probs, s.target_probs) for a, s in zip(again, soft))
+    reused = pipeline.record_traces(pair, prompts[:2], 16, 6, tmp_path / "soft", resume=True)
+    assert [t.match.tolist() for t in reused] == [t.match.tolist() for t in greedy]
+    with pytest.raises(pipeline.TrainingError, match="'target_probs': None"):
+        pipeline.record_traces(pair, prompts[:2], 16, 6, tmp_path / "greedy", resume=True, target_probs=True)
 
 
 def test_ablation_heads_and_first_token_predictors(tmp_path):

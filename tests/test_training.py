@@ -275,3 +275,31 @@ def test_tuned_rule_is_never_worse_than_a_fixed_length_it_can_express():
     best = tune_pacer(head, [trace], costs, max_draft)[0]
     assert best.speedup >= fixed - 1e-9
     assert (best.threshold, best.block_size, best.first_block_size) == (1.0, 1, 0)
+
+
+@pytest.mark.parametrize("arch, prompt_length, new", [("qwen2", 4, 20), ("llama", 7, 26)])
+def test_soft_labels_from_a_trace_equal_the_acceptance_probabilities_of_its_drafts(arch, prompt_length, new):
+    """The trace's target probabilities give, for the draft from every output position, prod(min(1, p/q))
+    exactly as computed from scratch: the draft drafts greedily from the target's prefix, the target and the
+    draft score those tokens in one forward each."""
+    target, draft = make_pair(arch, arch, "noisy")
+    ids = torch.randint(0, VOCAB, (1, prompt_length), generator=torch.Generator().manual_seed(prompt_length))
+    output = target.generate(ids, max_new_tokens=new, do_sample=False)[0, prompt_length:]
+    trace = record_trace(draft, target, ids, output, MAX_DRAFT, with_target_probs=True)
+    assert record_trace(draft, target, ids, output, MAX_DRAFT).target_probs is None
+    examples = examples_from_trace(trace)
+    checked_after_a_miss = 0
+    for e in examples:
+        i, k = e["start"], len(e["labels"])
+        context = torch.cat([ids, output[None, :i]], dim=1)
+        drafted = draft.generate(context, max_new_tokens=k, min_new_tokens=k, do_sample=False)
+        rows = slice(context.shape[1] - 1, context.shape[1] - 1 + k)
+        tokens = drafted[0, context.shape[1]:]
+        p = target(input_ids=drafted).logits[0, rows].softmax(-1).gather(-1, tokens[:, None])[:, 0]
+        q = draft(input_ids=drafted).logits[0, rows].softmax(-1).gather(-1, tokens[:, None])[:, 0]
+        expected = torch.cumprod((p / q).clamp(max=1.0), 0)
+        torch.testing.assert_close(e["soft_labels"], expected, atol=1e-4, rtol=1e-3)
+        assert e["labels"].tolist() == (torch.arange(k) < int(trace.match[i])).float().tolist()
+        checked_after_a_miss += int(trace.match[i]) < k - 1
+    assert checked_after_a_miss > 0  # some drafts continue past their first miss: the continuations are scored
+    assert any(0 < float(e["soft_labels"][0]) < 1 for e in examples)

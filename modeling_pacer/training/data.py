@@ -66,15 +66,24 @@ def simulate_drafts(target, draft, input_ids: torch.Tensor, max_new_tokens: int,
 def examples_from_trace(trace: Trace) -> list[dict]:
     """Every draft start of a greedy trace as an example: the draft a fixed-length policy would send
     from that position (as long as the budget allows), labelled by the target's output; with the same
-    fields as [`simulate_drafts`]'s examples."""
+    fields as [`simulate_drafts`]'s examples.
+
+    `soft_labels`: with the trace's `target_probs`, SpecDec++'s labels for sampling, the probability that
+    speculative sampling accepts the token and every one before it, prod(min(1, p/q)) with p the target's
+    and q the draft's probability of each drafted token (the greedy draft's tokens stand for what a sampled
+    draft proposes); without them, the greedy labels again."""
     n, max_draft = trace.length, trace.hidden.shape[1]
     features = torch.stack([trace.token_probs, trace.entropies], -1).float()
+    ratio = None
+    if trace.target_probs is not None:
+        ratio = (trace.target_probs / trace.token_probs.clamp_min(1e-12)).clamp(max=1.0)
     examples = []
     for i in range(n - 1):  # at the last position the budget allows no draft
         k = min(max_draft, n - i - 1)
         labels = (torch.arange(k) < int(trace.match[i])).float()
+        soft = labels.clone() if ratio is None else torch.cumprod(ratio[i, :k], 0)
         examples.append(dict(hidden=trace.hidden[i, :k].clone(), features=features[i, :k].clone(), labels=labels,
-                             soft_labels=labels.clone(), start=i))
+                             soft_labels=soft, start=i))
     return examples
 
 

@@ -36,15 +36,18 @@ def trace_path(trace_dir: Path, prompt_id: str) -> Path:
     return trace_dir / f"{prompt_id}.safetensors"
 
 
-def trace_settings(pair, max_new_tokens: int, max_draft: int) -> dict:
+def trace_settings(pair, max_new_tokens: int, max_draft: int, target_probs: bool = False) -> dict:
     """What a trace file records about how it was made; a resumed run reads only files made the same way
-    (the target's dtype and attention decide its greedy output, hence the labels)."""
+    (the target's dtype and attention decide its greedy output, hence the labels; `target_probs`: the file
+    holds the target's probabilities of the drafts, for soft labels)."""
     settings = dict(pair=pair.name, target_dtype=str(pair.target.dtype).removeprefix("torch."),
                     target_attention=pair.target.config._attn_implementation,
                     target_quantization=getattr(pair, "quantize_target", None),
                     max_new_tokens=max_new_tokens, max_draft=max_draft)
     if getattr(pair, "aligned_draft", None):  # a head belongs to one draft (kept out otherwise: older files match)
         settings["aligned_draft"] = pair.aligned_draft
+    if target_probs:  # likewise: only a soft-label run's files say so
+        settings["target_probs"] = True
     return settings
 
 
@@ -122,7 +125,8 @@ def greedy_outputs(target, prompts: list[torch.Tensor], max_new_tokens: int, pad
 
 
 def record_traces(pair, prompts: list[tuple[str, torch.Tensor]], max_new_tokens: int, max_draft: int,
-                  trace_dir: Path, resume: bool, progress=None, batch_size: int = 8, outputs_from: Path | None = None):
+                  trace_dir: Path, resume: bool, progress=None, batch_size: int = 8, outputs_from: Path | None = None,
+                  target_probs: bool = False):
     """A greedy trace per prompt (`(id, input_ids (1, L))`), saved as it is made (`ID.safetensors`) so a
     rerun resumes; the seconds each took are kept beside it (`ID.seconds`: its share of its batch's
     generation, by tokens, plus its own trace) so that a resumed run still reports them.
@@ -133,12 +137,14 @@ def record_traces(pair, prompts: list[tuple[str, torch.Tensor]], max_new_tokens:
     `progress`: a tqdm bar, advanced per prompt, its postfix the target tokens recorded per second so far
     (generation and labels together). `outputs_from`: another run's trace folder whose files give the
     target's greedy outputs ([`read_output`]; e.g. recorded with the plain draft, for a head of an aligned
-    one), so only the draft's side is recorded for those prompts (an exact target's outputs only)."""
+    one), so only the draft's side is recorded for those prompts (an exact target's outputs only).
+    `target_probs`: the traces also hold the target's probability of every draft token (soft labels; one
+    more target sweep per prompt, see `record_trace`)."""
     from ..custom_generate.generate import generate
     from ..custom_generate.policies import FixedLength
     from ..replay import record_trace, save_traces
 
-    settings = trace_settings(pair, max_new_tokens, max_draft)
+    settings = trace_settings(pair, max_new_tokens, max_draft, target_probs)
     trace_dir.mkdir(parents=True, exist_ok=True)
     done = {}
     for prompt_id, _ in prompts:
@@ -182,7 +188,7 @@ def record_traces(pair, prompts: list[tuple[str, torch.Tensor]], max_new_tokens:
             start = time.perf_counter()
             if output.shape[0] >= 2:  # else nothing to draft
                 trace = record_trace(pair.draft, pair.target, input_ids.cpu(), output, max_draft, "train", prompt_id,
-                                     target_choice=output if exact else None)
+                                     target_choice=output if exact else None, with_target_probs=target_probs)
                 path = trace_path(trace_dir, prompt_id)
                 save_traces(path, [trace], **settings)
                 own = generation * len(output) / max(generated, 1) + time.perf_counter() - start
@@ -318,10 +324,11 @@ def train(args: RunArguments, pair, prompts: list[tuple[str, torch.Tensor]], dat
     with tqdm(total=len(mine), desc="recording traces", unit="prompt", disable=not state.is_local_main_process) as bar:
         traces = record_traces(pair, mine, script.max_new_tokens, script.max_draft, out / "traces", script.resume, bar,
                                script.record_batch_size,
-                               None if script.target_outputs_from is None else Path(script.target_outputs_from))
+                               None if script.target_outputs_from is None else Path(script.target_outputs_from),
+                               target_probs=args.training.soft_labels)
     if state.num_processes > 1:
         state.wait_for_everyone()  # every share is on disk; each process reads all of them
-        settings = trace_settings(pair, script.max_new_tokens, script.max_draft)
+        settings = trace_settings(pair, script.max_new_tokens, script.max_draft, args.training.soft_labels)
         paths = [trace_path(out / "traces", pid) for pid, _ in prompts]
         traces = [read_trace(path, settings) for path in paths if path.exists()]
     timings["traces"] = time.perf_counter() - start
@@ -368,7 +375,7 @@ def train(args: RunArguments, pair, prompts: list[tuple[str, torch.Tensor]], dat
                      for estimate in ("head", "both") for calibration in CALIBRATIONS})
     rule, estimate, calibration = max(defaults, key=defaults.get)  # ties: the first, the paper's rule
     head.config.stopping_rule, head.config.throughput_estimate, head.config.calibration = rule, estimate, calibration
-    head.config.draft_nothing = rule == "throughput"
+    head.config.draft_nothing = calibration is not None  # as the calibrated variants were replayed (the raw one without)
     predictors = first_token_predictors(head, eval_traces)
     for name, variant in variants.items():
         first = first_token_auc(variant, eval_traces)  # the draft's own predictors do not change with the head
@@ -383,7 +390,10 @@ def train(args: RunArguments, pair, prompts: list[tuple[str, torch.Tensor]], dat
     description = (f"{data_description} {len(train_traces)} prompts for training and {len(eval_traces)} held out "
                    f"(evaluation and tuning); {tokens} target tokens of greedy output, "
                    f"{script.max_new_tokens} new tokens at most per prompt, drafts of up to {script.max_draft} tokens "
-                   f"from every output position (teacher forcing).")
+                   f"from every output position (teacher forcing)" + (
+                       "; trained on soft labels, the probability that speculative sampling accepts each draft token "
+                       "and those before it, prod(min(1, p_target/p_draft)), so that one head serves sampling too."
+                       if args.training.soft_labels else "."))
     draft_name = describe_source(pair.draft_source) + (
         f" with {DRAFT_QUANTIZATIONS[args.pair.quantize_draft]} Linear layers (as recorded)"
         if args.pair.quantize_draft else "") + (
