@@ -77,6 +77,34 @@ def test_live_run_counts_and_checks_every_method(setup):
     assert all(r.head_seconds > 0 and sum(r.accepted) + len(r.accepted) == NEW for r in pacer)
 
 
+def test_sampled_run_times_equal_lengths_and_repeats(setup, tmp_path):
+    """--do-sample: every method samples exactly NEW tokens (end of sequence suppressed, so times cover equal
+    work), outputs are not compared with the target's draws (nor replayed by the greedy oracle), the table says
+    so, and the same seed gives the same draws again."""
+    from modeling_pacer.benchmarks.methods import sampling_settings
+
+    methods = select_methods(["target", "hf-assisted", "fixed-2", "pacer"], all_methods(head_config=setup.head.config))
+    sampling = sampling_settings(1.0)
+    records, traces = runner.run_live(setup.pair, setup.head, methods, setup.prompts, NEW, sampling=sampling, seed=7)
+    assert traces == [] and len(records) == len(methods) * len(setup.prompts)
+    assert all(r.sampled and r.matches_target is None and r.agree_prefix is None and r.new_tokens == NEW for r in records)
+    report = write_report(tmp_path, [r.to_dict() for r in records], [], dict(command="test"))
+    assert "sampled (in distribution: tests)" in report["table"] and "MISMATCH" not in report["table"]
+    rows = [r for r in report["summary"] if r["method"] == "pacer"]
+    assert rows and all(r["sampled"] and not r["own_numerics"] and r["of_oracle"] is None and r["tau"] > 1 for r in rows)
+
+    ids = setup.prompts[0][2]
+    draws = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        draws.append(run_method(methods[-1], setup.pair.target, setup.pair.draft, setup.head, ids, NEW, None, sampling)[0])
+    torch.manual_seed(8)
+    other = run_method(methods[-1], setup.pair.target, setup.pair.draft, setup.head, ids, NEW, None, sampling)[0]
+    assert torch.equal(draws[0], draws[1]) and not torch.equal(draws[0], other)
+    with pytest.raises(ValueError, match="temperature > 0"):
+        sampling_settings(0.0)
+
+
 def test_mismatch_is_reported_loudly(setup, monkeypatch, tmp_path):
     methods = select_methods(["target", "fixed-2"], all_methods())
 
@@ -350,6 +378,10 @@ def test_trace_files_round_trip_and_a_pickle_runs_nothing(setup, tmp_path):
     (["agreement"], "pass --quantize-target"),
     (["agreement", "--quantize-target", "int3"], "invalid choice"),
     (["costs", "--dtypes", "int3"], "--dtypes"),
+    (["--temperature", "0.7"], "without --do-sample"),
+    (["--do-sample", "--temperature", "0"], "temperature > 0"),
+    (["--do-sample", "--methods", "target", "llama.cpp"], "greedy decoding only"),
+    (["--do-sample", "--record-traces", "t.safetensors"], "without --do-sample"),
 ])
 def test_bad_arguments_fail_before_any_model_loads(argv, message, monkeypatch, capsys):
     """Every argument is checked first: a clear usage error (exit 2), and the pair is never loaded."""

@@ -3,6 +3,7 @@
     pacer-bench run --quick                               # a few minutes on a CPU (`run` may be left out)
     pacer-bench run --n 10 --max-new-tokens 128 --head path/to/head --out bench-out
     pacer-bench run --record-traces traces.safetensors ...   # also record full traces for replay
+    pacer-bench run --do-sample --temperature 1 ...            # sampled decoding's speed (seeded)
     pacer-bench replay traces.safetensors --head path/to/head  # evaluate stopping rules without the models
     pacer-bench merge a/results.json b/results.json --out all  # one report from runs split by dataset
     pacer-bench costs --dtypes bfloat16 float32 --out costs    # this machine's cost curves, measured and plotted
@@ -13,6 +14,7 @@ Every argument is checked before a model is loaded.
 """
 
 import argparse
+import fnmatch
 import json
 import re
 import shlex
@@ -62,6 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--record-traces", metavar="FILE",
                      help="also record full per-position draft traces (safetensors) for `pacer-bench replay`")
     run.add_argument("--trace-max-draft", type=_positive, default=12, help="draft length recorded per position")
+    run.add_argument("--do-sample", action="store_true",
+                     help="sampled decoding (every method, exactly --max-new-tokens tokens, no top-k/top-p): a speed "
+                          "row for sampling; outputs are draws, so they are not compared with the target's")
+    run.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (with --do-sample)")
+    run.add_argument("--seed", type=int, default=0, help="with --do-sample: prompt i's runs start from seed + i")
     run.add_argument("--quick", action="store_true", help=f"1 prompt per dataset, 32 tokens, methods {QUICK_METHODS}")
     run.add_argument("--threads", type=_positive, help="torch CPU threads (default: torch's choice)")
     _add_output(run, "bench-out")
@@ -132,6 +139,9 @@ def validate(args) -> None:
     head = getattr(args, "head", None)  # run, replay, costs
     if head is not None and not Path(head).exists() and not re.fullmatch(r"[\w.-]+/[\w.-]+", head):
         raise ValueError(f"--head {head}: no such folder, and not a Hub repo id (org/name).")
+    if args.command == "run" and args.do_sample and any(fnmatch.fnmatchcase("llama.cpp", m) for m in args.methods or []):
+        # before the methods are resolved: resolving llama.cpp first asks for its library
+        raise ValueError("--do-sample: the llama.cpp method runs greedy decoding only; leave it out of --methods.")
     if args.command in ("run", "replay"):
         chosen = [m.name for m in select_methods(args.methods, all_methods(tuple(args.gammas)))]  # unknown: an error
         if args.command == "run" and "target" not in chosen:
@@ -164,6 +174,14 @@ def validate(args) -> None:
             prompt_file(dataset)  # PromptsNotInstalledError names the command that installs it
         if args.record_traces:
             ensure_writable_folder(Path(args.record_traces).resolve().parent, "--record-traces")
+        if args.do_sample:
+            from .methods import sampling_settings
+
+            sampling_settings(args.temperature)  # a temperature that cannot sample: the error names it
+            if args.record_traces:
+                raise ValueError("--record-traces follows the target's greedy output: run it without --do-sample.")
+        elif args.temperature != 1.0:
+            raise ValueError(f"--temperature {args.temperature} without --do-sample: greedy decoding has no temperature.")
     for path in getattr(args, "traces", None) or getattr(args, "results", None) or []:
         if not Path(path).is_file():
             raise ValueError(f"{path}: no such file.")
@@ -220,6 +238,7 @@ def run(args) -> dict:
 
     from modeling_pacer.pairs import pair_from_args
 
+    from .methods import sampling_settings
     from .report import write_report
     from .runner import oracle_records, run_live
     from ..costs import host_costs
@@ -235,13 +254,15 @@ def run(args) -> dict:
     methods = _available_methods(args, head, costs)
     prompts = _prompts(args, pair.tokenizer)
     with tqdm(total=len(prompts) * len(methods), desc="pacer-bench", unit="run") as bar:
-        records, traces = run_live(pair, head, methods, prompts, args.max_new_tokens, bar, args.oracle_max_draft)
+        records, traces = run_live(pair, head, methods, prompts, args.max_new_tokens, bar, args.oracle_max_draft,
+                                   sampling=sampling_settings(args.temperature) if args.do_sample else None, seed=args.seed)
     oracle_rows = oracle_records(traces, costs, args.oracle_max_draft)
     meta = dict(command="pacer-bench " + " ".join(shlex.quote(a) for a in sys.argv[1:]), pair=pair.name,
                 head=args.head, max_new_tokens=args.max_new_tokens, threads=torch.get_num_threads(),
                 quantize_draft=args.quantize_draft, aligned_draft=pair.aligned_draft, quantize_target=pair.quantize_target,
                 dtype=str(pair.dtype).removeprefix("torch."), exact=pair.exact,
-                costs=costs.to_dict(), torch=torch.__version__)
+                costs=costs.to_dict(), torch=torch.__version__,
+                sampling=dict(temperature=args.temperature, seed=args.seed) if args.do_sample else None)
     result = write_report(Path(args.out), [r.to_dict() for r in records], oracle_rows, meta)
     if args.record_traces:
         full = [

@@ -117,11 +117,27 @@ def select_methods(patterns: list[str] | None, available: dict[str, Method]) -> 
     return chosen
 
 
-def run_method(method: Method, target, draft, head, input_ids: torch.Tensor, max_new_tokens: int, llamacpp=None):
-    """Greedy generation with `method`. Returns `(sequences (1, L + new), PacerStats or None)`.
+def sampling_settings(temperature: float) -> dict:
+    """`generate`'s settings for the benchmark's sampled decoding: the target's distribution at `temperature`,
+    nothing cut (no top-k, no top-p, whatever the model's generation config says), and exactly
+    `max_new_tokens` tokens (end of sequence suppressed), so that every method's time covers the same number
+    of tokens, which a sampled output's length would not otherwise guarantee."""
+    if not temperature > 0:
+        raise ValueError(f"sampling needs a temperature > 0, got {temperature} (greedy decoding: leave --do-sample out)")
+    return dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0, min_p=None)
+
+
+def run_method(method: Method, target, draft, head, input_ids: torch.Tensor, max_new_tokens: int, llamacpp=None,
+               sampling: dict | None = None):
+    """Generation with `method`: greedy, or with `sampling` (from [`sampling_settings`]) sampled, every method
+    then producing exactly `max_new_tokens` tokens. Returns `(sequences (1, L + new), PacerStats or None)`.
 
     `llamacpp`: the [`LlamaCppRunner`] that the `llama.cpp` method runs (built once per benchmark)."""
     settings = dict(max_new_tokens=max_new_tokens, do_sample=False)
+    if sampling is not None:
+        if method.family == "llamacpp":
+            raise ValueError("the llama.cpp method runs greedy decoding only: leave it out of a sampled benchmark")
+        settings.update(sampling, min_new_tokens=max_new_tokens)
     if method.family == "llamacpp":
         if llamacpp is None:
             raise ValueError("the llama.cpp method needs a LlamaCppRunner (run_live builds one when it is selected)")

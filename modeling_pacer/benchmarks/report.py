@@ -41,7 +41,8 @@ def summarize(records: list[dict], oracle_rows: list[dict]) -> list[dict]:
     `own_numerics`: the method computes another function than the torch target (llama.cpp; records with
     `matches_target` None): never a mismatch, and no forward counts, shares or oracle fraction (None);
     `agree_prefix`: the mean number of new tokens equal to the target's before the first difference
-    (None for results written before it was recorded).
+    (None for results written before it was recorded, and for sampled runs). `sampled`: the records are
+    sampled decoding (draws, not compared with the target's; their losslessness is the sampling tests').
     """
     by_key = defaultdict(list)
     for r in records:
@@ -65,7 +66,8 @@ def summarize(records: list[dict], oracle_rows: list[dict]) -> list[dict]:
         tokens = sum(r["new_tokens"] for r in rs)
         speedup = target_seconds / seconds
         mismatches = sum(r["matches_target"] is False for r in rs)
-        own_numerics = all(r["matches_target"] is None for r in rs)
+        sampled = any(r.get("sampled") for r in rs)
+        own_numerics = not sampled and all(r["matches_target"] is None for r in rs)
         head_share = sum(r["head_seconds"] for r in rs) / seconds
         target_share, draft_share = _share(rs, "target_seconds", seconds), _share(rs, "draft_seconds", seconds)
         other_share = None if None in (target_share, draft_share) else 1.0 - target_share - draft_share - head_share
@@ -78,7 +80,7 @@ def summarize(records: list[dict], oracle_rows: list[dict]) -> list[dict]:
             draft_forwards_per_token=sum(r["draft_forwards"] for r in rs) / tokens,
             target_share=target_share, draft_share=draft_share, head_share=head_share, other_share=other_share,
             of_oracle=speedup / oracle_speedup[dataset] if dataset in oracle_speedup else None,
-            mismatches=mismatches, own_numerics=own_numerics,
+            mismatches=mismatches, own_numerics=own_numerics, sampled=sampled,
             agree_prefix=None if None in prefixes else sum(prefixes) / len(prefixes),
         )
         if own_numerics:  # not the torch models: nothing of theirs was counted or timed
@@ -129,6 +131,8 @@ def markdown_table(summary: list[dict]) -> str:
     for r in summary:
         if r.get("own_numerics"):
             lossless = "own numerics (n/a)"
+        elif r.get("sampled"):
+            lossless = "sampled (in distribution: tests)"
         else:
             lossless = "yes" if r["mismatches"] == 0 else f"**MISMATCH {r['mismatches']}/{r['prompts']}**"
         time = _time_shares(r) if timed else _fmt(r["head_share"], ".1%")

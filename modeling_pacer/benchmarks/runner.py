@@ -23,7 +23,7 @@ class Record:
     target_forwards: int
     draft_forwards: int
     # True/False: the output equals the target's or not; None: not comparable, the method computes with its
-    # own numerics (llama.cpp's quantized kernels), so a difference is no loss of exactness
+    # own numerics (llama.cpp's quantized kernels), so a difference is no loss of exactness, or it sampled
     matches_target: bool | None
     head_seconds: float = 0.0
     # wall time inside the target's and the draft's forward calls; the rest of `seconds` minus
@@ -34,6 +34,9 @@ class Record:
     accepted: list[int] = field(default_factory=list)
     # how many new tokens equal the target's before the first difference (results before it: absent)
     agree_prefix: int | None = None
+    # sampled decoding: outputs are draws, not comparable token for token (losslessness in distribution is what
+    # tests/test_sampling.py checks); the seed makes the run repeatable
+    sampled: bool = False
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -66,11 +69,14 @@ class ForwardMeter:
             handle.remove()
 
 
-def _timed(method: Method, target, draft, head, input_ids, max_new_tokens, meters, llamacpp=None):
-    """Run one method once: `(sequences, stats, seconds, [(forwards, forward seconds) per meter])`."""
+def _timed(method: Method, target, draft, head, input_ids, max_new_tokens, meters, llamacpp=None, sampling=None, seed=0):
+    """Run one method once: `(sequences, stats, seconds, [(forwards, forward seconds) per meter])`. Sampled
+    (`sampling` set), every method starts from torch's generator seeded with `seed`."""
     before = [(m.count, m.seconds) for m in meters]
+    if sampling is not None:
+        torch.manual_seed(seed)
     start = time.perf_counter()
-    sequences, stats = run_method(method, target, draft, head, input_ids, max_new_tokens, llamacpp)
+    sequences, stats = run_method(method, target, draft, head, input_ids, max_new_tokens, llamacpp, sampling)
     seconds = time.perf_counter() - start
     used = [(m.count - n, m.seconds - t) for m, (n, t) in zip(meters, before)]
     return sequences, stats, seconds, used
@@ -83,8 +89,12 @@ def agree_prefix(a: torch.Tensor, b: torch.Tensor, start: int) -> int:
 
 
 def run_live(pair, head, methods: list[Method], prompts, max_new_tokens: int, progress=None, oracle_max_draft=8,
-             llamacpp=None):
+             llamacpp=None, sampling: dict | None = None, seed: int = 0):
     """Run every method on every prompt. `prompts`: list of `(dataset, prompt_id, input_ids (1, L))`.
+
+    `sampling` ([`sampling_settings`]): sampled decoding, each prompt's runs seeded with `seed` plus the prompt's
+    index; outputs are then not compared with the target's (draws differ; `matches_target` None, `sampled`
+    True) and no oracle is replayed (its trace follows a greedy output), so `traces` is empty.
 
     `llamacpp`: the [`LlamaCppRunner`] for the `llama.cpp` method; built here from `pair.target_source`
     (its GGUF file, loaded once, outside the timed region) when that method is selected and none is given.
@@ -102,13 +112,14 @@ def run_live(pair, head, methods: list[Method], prompts, max_new_tokens: int, pr
     try:
         # warm-up (excluded): every method once, on the first prompt, a few tokens
         for method in methods:
-            _timed(method, target, draft, head, prompts[0][2], min(8, max_new_tokens), meters, llamacpp)
+            _timed(method, target, draft, head, prompts[0][2], min(8, max_new_tokens), meters, llamacpp, sampling, seed)
         records, traces = [], []
         for j, (dataset, prompt_id, input_ids) in enumerate(prompts):
             order = methods[j % len(methods):] + methods[: j % len(methods)]  # rotate: no method always first
             results = {}
             for method in order:
-                results[method.name] = _timed(method, target, draft, head, input_ids, max_new_tokens, meters, llamacpp)
+                results[method.name] = _timed(method, target, draft, head, input_ids, max_new_tokens, meters, llamacpp,
+                                              sampling, seed + j)
                 if progress is not None:
                     progress.update(1)
             reference = results["target"][0]
@@ -118,15 +129,17 @@ def run_live(pair, head, methods: list[Method], prompts, max_new_tokens: int, pr
                     dataset, prompt_id, method.name, seconds,
                     new_tokens=sequences.shape[1] - input_ids.shape[1],
                     target_forwards=target_fw, draft_forwards=draft_fw,
-                    matches_target=None if method.own_numerics else sequences.tolist() == reference.tolist(),
+                    matches_target=None if method.own_numerics or sampling else sequences.tolist() == reference.tolist(),
                     head_seconds=stats.head_time if stats else 0.0,
                     draft_lengths=[s.drafted for s in stats.steps] if stats else [],
                     accepted=[s.accepted for s in stats.steps] if stats else [],
                     target_seconds=target_s, draft_seconds=draft_s,
-                    agree_prefix=agree_prefix(sequences, reference, input_ids.shape[1]),
+                    agree_prefix=None if sampling else agree_prefix(sequences, reference, input_ids.shape[1]),
+                    sampled=sampling is not None,
                 ))
-            output = reference[0, input_ids.shape[1]:].cpu()
-            traces.append(record_match(draft, input_ids, output, oracle_max_draft, dataset, prompt_id))
+            if sampling is None:
+                output = reference[0, input_ids.shape[1]:].cpu()
+                traces.append(record_match(draft, input_ids, output, oracle_max_draft, dataset, prompt_id))
     finally:
         for m in meters:
             m.remove()
