@@ -379,7 +379,7 @@ def test_committed_commands_parse_to_their_settings():
 
 
 @pytest.mark.parametrize("name", ["qwen2.5-coder-1.5b-0.5b", "qwen2.5-coder-1.5b-0.5b-bf16", "qwen2.5-coder-1.5b-0.5b-aligned",
-                                  "qwen2.5-coder-1.5b-0.5b-int4"])
+                                  "qwen2.5-coder-1.5b-0.5b-int4", "qwen2.5-coder-1.5b-0.5b-int4-soft"])
 def test_recipe_is_the_committed_heads_command(tmp_path, name):
     """training/NAME.yaml trains what the committed head heads/NAME's card says it was trained with (but for
     where that run kept its files, and another run's traces it took the target's outputs from); a JSON recipe
@@ -557,3 +557,19 @@ def test_resume_never_unpickles_a_trace_file(tmp_path, monkeypatch, capsys):
     old_name.write_bytes(planted.read_bytes())
     torch.load(old_name, weights_only=False)
     assert marker.exists()
+
+
+def test_card_speed_table_of_a_sampled_benchmark():
+    """A `pacer-bench --do-sample` run in a card: its rows say sampled (not 'yes'), and the setting says how it sampled."""
+    from modeling_pacer.training.card import speed_section
+
+    row = dict(dataset="all", prompts=3, speedup=1.5, speedup_ci=(1.2, 1.8), tokens_per_s=6.0, tau=3.0, mismatches=0,
+               own_numerics=False, sampled=True)
+    bench = dict(meta=dict(command="pacer-bench run --do-sample", dtype="bfloat16", exact=True, quantize_draft="int4",
+                           max_new_tokens=64, sampling=dict(temperature=1.0, seed=0)),
+                 summary=[dict(row, method="target", speedup=1.0, speedup_ci=(1.0, 1.0)), dict(row, method="pacer"),
+                          dict(row, dataset="gsm8k", method="pacer")])
+    text = speed_section([bench])
+    assert "64 new tokens, sampled at temperature 1, seed 0" in text
+    assert "| pacer | 1.50x (1.20-1.80) | 6.00 | 3.00 | sampled (in distribution: tests) |" in text
+    assert "| yes |" not in text

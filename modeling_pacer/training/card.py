@@ -37,6 +37,8 @@ def _speed_table(bench: dict) -> str:
     for r in rows:
         if r.get("own_numerics"):
             lossless = "own numerics (n/a)"
+        elif r.get("sampled"):
+            lossless = "sampled (in distribution: tests)"
         else:
             lossless = "yes" if r["mismatches"] == 0 else f"MISMATCH {r['mismatches']}/{r['prompts']}"
         tokens_per_s = "–" if r.get("tokens_per_s") is None else f"{r['tokens_per_s']:.2f}"
@@ -46,8 +48,10 @@ def _speed_table(bench: dict) -> str:
     datasets = ", ".join(dict.fromkeys(r["dataset"] for r in bench["summary"] if r["dataset"] != "all"))
     # a merged report (`pacer-bench merge`) keeps the command of every run it merged
     commands = [part["command"] for part in bench["meta"].get("parts", [])] + [bench["meta"].get("command")]
+    sampling = bench["meta"].get("sampling")
+    decoding = "greedy" if not sampling else f"sampled at temperature {sampling['temperature']:g}, seed {sampling['seed']}"
     return (f"**{bench_setting(bench)}** ({prompts} prompts: {datasets}; {bench['meta'].get('max_new_tokens')} new "
-            "tokens, greedy):\n\n" + "\n".join(lines) + "\n\nCommands:\n\n```bash\n" + "\n".join(commands) + "\n```")
+            f"tokens, {decoding}):\n\n" + "\n".join(lines) + "\n\nCommands:\n\n```bash\n" + "\n".join(commands) + "\n```")
 
 
 def speed_section(benches: list[dict] | dict | None) -> str:
