@@ -332,21 +332,20 @@ def record_trace(draft, target, input_ids: torch.Tensor, output: torch.Tensor, m
     probs = torch.zeros(n, max_draft)
     entropies = torch.zeros(n, max_draft)
     hidden = torch.zeros(n, max_draft, tf_hidden.shape[-1], dtype=torch.float16)
+    target_probs = torch.zeros(n, max_draft) if with_target_probs else None
+    if with_target_probs:
+        on_path, after_miss = _target_probs(target, ids, prefix, tf_tokens, cont)
     for i in range(n):
         m = int(match[i])
         for j in range(min(max_draft, n - i)):
             if j <= m:  # up to and including the first miss the context is the target's output
                 probs[i, j], entropies[i, j], hidden[i, j] = tf_probs[i + j], tf_entropy[i + j], tf_hidden[i + j]
+                if with_target_probs:
+                    target_probs[i, j] = on_path[i + j]
             else:  # after the miss at p = i + m: the draft's own continuation
                 probs[i, j], entropies[i, j], hidden[i, j] = cont[i + m][j - m - 1][:3]
-    target_probs = None
-    if with_target_probs:
-        on_path, after_miss = _target_probs(target, ids, prefix, tf_tokens, cont)
-        target_probs = torch.zeros(n, max_draft)
-        for i in range(n):
-            m = int(match[i])
-            for j in range(min(max_draft, n - i)):
-                target_probs[i, j] = on_path[i + j] if j <= m else after_miss[i + m][j - m - 1]
+                if with_target_probs:
+                    target_probs[i, j] = after_miss[i + m][j - m - 1]
     return Trace(dataset, prompt_id, match, output, probs, entropies, hidden, target_probs)
 
 

@@ -119,6 +119,16 @@ def _time_shares(row: dict) -> str:
                       [("target_share", ".0%"), ("draft_share", ".0%"), ("head_share", ".1%"), ("other_share", ".0%")])
 
 
+def lossless_label(row: dict, emphasis: str = "") -> str:
+    """A summary row's lossless column: "yes", a mismatch count (wrapped in `emphasis`, e.g. Markdown bold), or
+    why outputs were not compared (another function's own numerics; sampled draws)."""
+    if row.get("own_numerics"):
+        return "own numerics (n/a)"
+    if row.get("sampled"):
+        return "sampled (in distribution: tests)"
+    return "yes" if row["mismatches"] == 0 else f"{emphasis}MISMATCH {row['mismatches']}/{row['prompts']}{emphasis}"
+
+
 def markdown_table(summary: list[dict]) -> str:
     # results written before the forwards were timed only know the head's share
     timed = any(r.get("target_share") is not None for r in summary)
@@ -129,12 +139,7 @@ def markdown_table(summary: list[dict]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in summary:
-        if r.get("own_numerics"):
-            lossless = "own numerics (n/a)"
-        elif r.get("sampled"):
-            lossless = "sampled (in distribution: tests)"
-        else:
-            lossless = "yes" if r["mismatches"] == 0 else f"**MISMATCH {r['mismatches']}/{r['prompts']}**"
+        lossless = lossless_label(r, emphasis="**")
         time = _time_shares(r) if timed else _fmt(r["head_share"], ".1%")
         lines.append(
             f"| {r['dataset']} | {r['method']} | {format_speedup(r)} | {_fmt(r['tokens_per_s'], '.2f')} | "

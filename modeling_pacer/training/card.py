@@ -29,18 +29,13 @@ def bench_setting(bench: dict) -> str:
 
 
 def _speed_table(bench: dict) -> str:
-    from ..benchmarks.report import format_speedup
+    from ..benchmarks.report import format_speedup, lossless_label
 
     rows = [r for r in bench["summary"] if r["dataset"] == "all"]
     lines = ["| method | speedup over the target alone (95% CI over prompts) | tokens/s | τ (tokens / target forward) "
              "| lossless |", "|---|---|---|---|---|"]
     for r in rows:
-        if r.get("own_numerics"):
-            lossless = "own numerics (n/a)"
-        elif r.get("sampled"):
-            lossless = "sampled (in distribution: tests)"
-        else:
-            lossless = "yes" if r["mismatches"] == 0 else f"MISMATCH {r['mismatches']}/{r['prompts']}"
+        lossless = lossless_label(r)
         tokens_per_s = "–" if r.get("tokens_per_s") is None else f"{r['tokens_per_s']:.2f}"
         tau = "–" if r.get("tau") is None else f"{r['tau']:.2f}"
         lines.append(f"| {r['method']} | {format_speedup(r)} | {tokens_per_s} | {tau} | {lossless} |")
