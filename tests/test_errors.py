@@ -20,6 +20,12 @@ def test_head_for_another_draft(pair):
     wrong = make_head(make_model("llama", seed=5, hidden=64))
     with pytest.raises(ValueError, match="hidden size is 32"):
         target.generate(PROMPT, assistant_model=draft, pacer_head=wrong, max_new_tokens=5)
+    # also when its rule would not read it (a default that reads the draft alone, or a rule named by the caller)
+    wrong_draft_rule = make_head(make_model("llama", seed=5, hidden=64), stopping_rule="throughput",
+                                 throughput_estimate="draft")
+    for head, policy in ((wrong_draft_rule, None), (wrong, "fixed")):
+        with pytest.raises(ValueError, match="hidden size is 32"):
+            target.generate(PROMPT, assistant_model=draft, pacer_head=head, stopping_policy=policy, max_new_tokens=5)
 
 
 def test_draft_with_another_vocabulary(pair):

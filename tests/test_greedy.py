@@ -121,6 +121,22 @@ def test_cost_aware_head_alone_uses_its_rule_and_this_machines_costs(tmp_path, m
     assert out.sequences.tolist() == expected and out.pacer_stats.policy.startswith("Pacer(")
 
 
+def test_head_whose_rule_reads_the_draft_alone_is_not_run():
+    """A head whose config says throughput_estimate="draft" (pacer-train's choice where the draft's probabilities
+    replay faster than every rule reading the head) runs the cost-aware rule on the draft's probabilities: the
+    head is never called, and the output is the target's own on every prompt."""
+    target, draft = make_pair("llama", "llama", "noisy")
+    head = make_head(draft, max_draft_length=10, stopping_rule="throughput", throughput_estimate="draft")
+    flat = CostModel({n: 1.0 for n in range(1, 12)}, 0.05, 0.01)
+    for ids in _prompts():
+        expected = target.generate(ids, max_new_tokens=30).tolist()
+        out = target.generate(ids, assistant_model=draft, pacer_head=head, pacer_costs=flat, max_new_tokens=30,
+                              return_dict_in_generate=True)
+        assert out.sequences.tolist() == expected
+        assert out.pacer_stats.policy.startswith("ExpectedThroughput(estimate='draft'")
+        assert out.pacer_stats.head_forwards == 0 and out.pacer_stats.draft_forwards > 0
+
+
 def test_same_weights_draft_accepts_everything():
     target, draft = make_pair("llama", "llama", "same")
     ids = _prompts()[2]

@@ -63,6 +63,12 @@ def test_head_default_rule_follows_its_config():
                            throughput_estimate="both", calibration=16.0, draft_nothing=True)
     policy = make_policy(None, refitted, costs)
     assert (policy.estimate, policy.calibration, policy.draft_nothing) == ("both", 16.0, True)
+    draft_only = PacerConfig(draft_hidden_size=8, max_draft_length=8, stopping_rule="throughput",
+                             throughput_estimate="draft")
+    policy = make_policy(None, draft_only, costs)
+    assert (policy.estimate, policy.calibration, policy.needs_head) == ("draft", None, False)
+    with pytest.raises(ValueError, match="throughput_estimate must be 'head', 'both' or 'draft'"):
+        PacerConfig(draft_hidden_size=8, stopping_rule="throughput", throughput_estimate="target")
     assert isinstance(make_policy("pacer", cost_aware, costs), Pacer)  # named: the paper's rule
     with pytest.raises(ValueError, match="pacer_costs=modeling_pacer.host_costs"):
         make_policy(None, cost_aware)

@@ -85,10 +85,13 @@ def test_train_end_to_end_and_push(tmp_path):
     ablations = summary["ablations"]
     rules = {("blocks", "head", None): ablations["tuned"],
              ("throughput", "head", None): ablations["cost-aware rule (expected tokens/s), head estimate, block size 1"]}
-    for estimate, what in (("head", "head estimate"), ("both", "head and draft estimates combined")):
+    for estimate, what in (("head", "head estimate"), ("both", "head and draft estimates combined"),
+                           ("draft", "draft probability")):
         for calibration in (4.0, 16.0, 64.0):
             rules[("throughput", estimate, calibration)] = ablations[
                 f"cost-aware rule, {what} fitted online (calibration {calibration:g})"]
+    # or the draft's own probabilities, where they replay faster than every rule that reads the head
+    rules[("throughput", "draft", None)] = ablations["cost-aware rule, draft probability estimate (no head)"]
     chosen = (head.config.stopping_rule, head.config.throughput_estimate, head.config.calibration)
     assert rules[chosen] == max(rules.values())
     assert head.config.draft_nothing == (head.config.calibration is not None)  # the rule as it was replayed
@@ -190,6 +193,19 @@ def test_resume_reuses_traces(tmp_path, monkeypatch):
     # traces recorded with other settings are not mixed into this run's
     with pytest.raises(pipeline.TrainingError, match="'max_draft': 6.*'max_draft': 4"):
         pipeline.record_traces(pair, prompts[:2], 16, 4, tmp_path / "traces", resume=True)
+
+
+def test_resumed_training_reports_the_time_of_every_run(tmp_path):
+    """A run resumed from the finished checkpoint trains no more, and reports the training time of the runs before
+    it plus its own (it reported its own, near 0 s, in the card)."""
+    pair, prompts = _pair_and_prompts()
+    traces = pipeline.record_traces(pair, prompts, 16, 6, tmp_path / "traces", resume=False)
+    hidden = pair.draft.config.get_text_config().hidden_size
+    first = pipeline.fit_head(traces[:4], traces[4:], hidden, _args(tmp_path), tmp_path / "trainer")[2]
+    assert float((tmp_path / "trainer" / "training.seconds").read_text()) == pytest.approx(first)
+    (tmp_path / "trainer" / "training.seconds").write_text("1000.0\n")  # as if the first run had taken 1,000 s
+    again = pipeline.fit_head(traces[:4], traces[4:], hidden, _args(tmp_path, "--resume"), tmp_path / "trainer")[2]
+    assert 1000.0 <= again < 1000.0 + 60.0
 
 
 def test_train_with_soft_labels(tmp_path, monkeypatch):
@@ -573,3 +589,38 @@ def test_card_speed_table_of_a_sampled_benchmark():
     assert "64 new tokens, sampled at temperature 1, seed 0" in text
     assert "| pacer | 1.50x (1.20-1.80) | 6.00 | 3.00 | sampled (in distribution: tests) |" in text
     assert "| yes |" not in text
+
+
+@pytest.mark.parametrize("estimate", ["draft", "head"])
+def test_card_says_when_the_default_rule_does_not_read_the_head(estimate):
+    """A head whose default rule reads the draft's probabilities alone says so first; one whose rule reads the
+    head does not. Both say that the draft's probability ranks the first token better, where it does."""
+    from modeling_pacer.hub_cards import render_head_card
+
+    fields = json.loads((HEAD.parent / "qwen2.5-coder-1.5b-0.5b-int4" / "training_summary.json").read_text())["card"]
+    fields.update(stopping_rule="throughput", throughput_estimate=estimate, calibration=None,
+                  predictors={"head": dict(auc="0.870", ece="0.010"), "draft probability": dict(auc="0.880", ece="0.050")})
+    card = str(render_head_card(speed="", **fields))
+    assert ("does not read the head" in card) == (estimate == "draft")
+    assert "**The head does not beat the draft alone here**: draft probability ranks" in card
+    assert ("it\nreplayed faster, so it is the default rule" in card) == (estimate == "draft")
+    assert ("the head's rule replayed faster, so it stays the default" in card) == (estimate == "head")
+
+
+def test_card_measures_pacer_against_the_others_per_dataset():
+    """The card's Speed section says, per dataset, PACER's speedup over the best fixed length's and the best other
+    method's (PACER's own variants and the oracle are not others), and its share of the oracle."""
+    from modeling_pacer.training.card import speed_section
+
+    def row(dataset, method, speedup, of_oracle=None):
+        return dict(dataset=dataset, method=method, prompts=2, speedup=speedup, tau=2.0, mismatches=0,
+                    of_oracle=of_oracle)
+
+    summary = [row("a", "target", 1.0), row("a", "fixed-2", 1.6), row("a", "fixed-4", 2.0), row("a", "svip", 1.9),
+               row("a", "pacer-blocks", 2.9), row("a", "pacer", 2.2, 0.55), row("a", "oracle (replay)", 4.0, 1.0),
+               row("b", "target", 1.0), row("b", "fixed-4", 1.5), row("b", "hf-assisted", 2.0), row("b", "pacer", 1.8)]
+    text = speed_section(dict(meta=dict(command="pacer-bench run", max_new_tokens=8), summary=summary))
+    assert "| a | 2.20x | 1.10 (fixed-4 2.00x) | 1.10 (fixed-4 2.00x) | 55% |" in text
+    assert "| b | 1.80x | 1.20 (fixed-4 1.50x) | 0.90 (hf-assisted 2.00x) | – |" in text
+    no_pacer = speed_section(dict(meta=dict(command="pacer-bench run", max_new_tokens=8), summary=summary[:4]))
+    assert "PACER against the others" not in no_pacer

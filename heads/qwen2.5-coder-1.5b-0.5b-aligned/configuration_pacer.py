@@ -47,9 +47,10 @@ class PacerConfig(PreTrainedConfig):
             a longer draft is expected to emit more tokens per second, with the cost curve measured on the
             generating machine (`modeling_pacer.host_costs`); it can also decide that one more token does not pay.
             `pacer-train` sets whichever replays faster on its held-out prompts.
-        throughput_estimate (`str`): what the cost-aware rule reads: `"head"` (the head's cumulative predictions) or
+        throughput_estimate (`str`): what the cost-aware rule reads: `"head"` (the head's cumulative predictions),
             `"both"` (the head's conditional predictions and the draft's token probabilities, combined by the online
-            fit; needs `calibration`).
+            fit; needs `calibration`) or `"draft"` (the draft's own token probabilities alone: the head is not run;
+            `pacer-train` sets it when that replays faster than every rule that reads the head).
         calibration (`float`, *optional*): with `stopping_rule="throughput"`, refit the per-token estimates while
             decoding to each call's accept/reject outcomes (`OnlineCalibration`, a logistic fit starting from the
             estimate as it is, with a prior worth this many outcomes); None: the estimate as it is. A head trained on
@@ -137,8 +138,10 @@ class PacerConfig(PreTrainedConfig):
             raise ValueError("PacerConfig.draft_prior needs use_draft_features=True (it reads the draft's probabilities).")
         if self.stopping_rule not in ("blocks", "throughput"):
             raise ValueError(f"PacerConfig.stopping_rule must be 'blocks' or 'throughput', got {self.stopping_rule!r}.")
-        if self.throughput_estimate not in ("head", "both"):
-            raise ValueError(f"PacerConfig.throughput_estimate must be 'head' or 'both', got {self.throughput_estimate!r}.")
+        if self.throughput_estimate not in ("head", "both", "draft"):
+            raise ValueError(
+                f"PacerConfig.throughput_estimate must be 'head', 'both' or 'draft', got {self.throughput_estimate!r}."
+            )
         if self.calibration is not None and not self.calibration > 0:
             raise ValueError(f"PacerConfig.calibration must be > 0 (a prior strength) or None, got {self.calibration}.")
         if self.throughput_estimate == "both" and self.calibration is None:

@@ -424,19 +424,20 @@ def _check_inputs(model, draft_model, head, policy, input_ids, generation_config
             f"The draft's vocabulary ({draft_vocab} tokens) differs from the target's ({target_vocab}): "
             "PACER needs a draft that shares the target's tokenizer."
         )
-    if policy.needs_head:
-        if head is None:
-            raise ValueError(f"The {policy.name!r} stopping policy needs a head: pass `pacer_head=...`.")
-        if head.config.draft_hidden_size != draft_model.config.get_text_config().hidden_size:
-            raise ValueError(
-                f"The PACER head reads hidden states of size {head.config.draft_hidden_size}, but the draft's "
-                f"hidden size is {draft_model.config.get_text_config().hidden_size}: use a head trained for this draft."
-            )
-        if policy.max_draft_length > head.config.max_draft_length:
-            raise ValueError(
-                f"The policy's max_draft_length ({policy.max_draft_length}) exceeds the head's "
-                f"max_draft_length ({head.config.max_draft_length})."
-            )
+    if policy.needs_head and head is None:
+        raise ValueError(f"The {policy.name!r} stopping policy needs a head: pass `pacer_head=...`.")
+    # checked even when the rule does not read the head (e.g. its default rule reads the draft alone): a head
+    # trained for another draft is a mistake worth naming
+    if head is not None and head.config.draft_hidden_size != draft_model.config.get_text_config().hidden_size:
+        raise ValueError(
+            f"The PACER head reads hidden states of size {head.config.draft_hidden_size}, but the draft's "
+            f"hidden size is {draft_model.config.get_text_config().hidden_size}: use a head trained for this draft."
+        )
+    if policy.needs_head and policy.max_draft_length > head.config.max_draft_length:
+        raise ValueError(
+            f"The policy's max_draft_length ({policy.max_draft_length}) exceeds the head's "
+            f"max_draft_length ({head.config.max_draft_length})."
+        )
     unknown = {k for k, v in model_kwargs.items() if v is not None} - _ALLOWED_MODEL_KWARGS
     if unknown:
         raise ValueError(f"PACER decoding does not support these generate arguments: {sorted(unknown)}.")

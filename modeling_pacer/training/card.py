@@ -46,7 +46,37 @@ def _speed_table(bench: dict) -> str:
     sampling = bench["meta"].get("sampling")
     decoding = "greedy" if not sampling else f"sampled at temperature {sampling['temperature']:g}, seed {sampling['seed']}"
     return (f"**{bench_setting(bench)}** ({prompts} prompts: {datasets}; {bench['meta'].get('max_new_tokens')} new "
-            f"tokens, {decoding}):\n\n" + "\n".join(lines) + "\n\nCommands:\n\n```bash\n" + "\n".join(commands) + "\n```")
+            f"tokens, {decoding}):\n\n" + "\n".join(lines) + _standing_table(bench)
+            + "\n\nCommands:\n\n```bash\n" + "\n".join(commands) + "\n```")
+
+
+def _standing_table(bench: dict) -> str:
+    """PACER (the head's default rule) against the run's other methods, per dataset: the ratio of its speedup to
+    the best fixed draft length's and to the best other method's (any but the target, the oracle and PACER's own
+    variants `pacer-*`), and its share of the oracle's. Empty when the run has no `pacer` row."""
+    by_dataset = {}
+    for row in bench["summary"]:
+        by_dataset.setdefault(row["dataset"], {})[row["method"]] = row
+    lines = []
+    for dataset, rows in by_dataset.items():
+        pacer = rows.get("pacer")
+        others = {m: r for m, r in rows.items() if m not in ("target", "pacer") and not m.startswith(("pacer-", "oracle"))}
+        if pacer is None or not others:
+            continue
+        fixed = [m for m in others if m.startswith("fixed-")]
+        cells = [dataset, f"{pacer['speedup']:.2f}x"]
+        for names in (fixed, list(others)):
+            best = max(names, key=lambda m: others[m]["speedup"], default=None)
+            cells.append("–" if best is None else
+                         f"{pacer['speedup'] / others[best]['speedup']:.2f} ({best} {others[best]['speedup']:.2f}x)")
+        cells.append("–" if pacer.get("of_oracle") is None else f"{pacer['of_oracle']:.0%}")
+        lines.append("| " + " | ".join(cells) + " |")
+    if not lines:
+        return ""
+    return ("\n\nPACER against the others (ratios of speedups; the project aims at 1.10 or more against the best fixed "
+            "length, above 1 against every other method, and 90% of the oracle, on each dataset):\n\n"
+            "| dataset | PACER | against the best fixed length | against the best other method | of the oracle |\n"
+            "|---|---|---|---|---|\n" + "\n".join(lines))
 
 
 def speed_section(benches: list[dict] | dict | None) -> str:

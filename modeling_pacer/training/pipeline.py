@@ -261,7 +261,8 @@ def check_evaluation(metrics: dict, eval_traces) -> None:
 
 def fit_head(train_traces, eval_traces, draft_hidden_size: int, args: RunArguments, out: Path, **overrides):
     """Train a head; returns `(head, held-out metrics, seconds)`. `out`: the trainer's folder (checkpoints);
-    `overrides`: config fields changed from the arguments' (an ablation)."""
+    `overrides`: config fields changed from the arguments' (an ablation). `seconds` counts every run that trained
+    this head, kept in `out/training.seconds`: a resumed run adds its own time to the earlier runs'."""
     from .. import PacerHead
     from .trainer import PacerTrainer, first_token_auc
 
@@ -273,7 +274,10 @@ def fit_head(train_traces, eval_traces, draft_hidden_size: int, args: RunArgumen
     start = time.perf_counter()
     checkpoint = args.script.resume and any(out.glob("checkpoint-*"))
     trainer.train(resume_from_checkpoint=True if checkpoint else None)
-    seconds = time.perf_counter() - start
+    spent = out / "training.seconds"
+    seconds = time.perf_counter() - start + (float(spent.read_text()) if checkpoint and spent.is_file() else 0.0)
+    if trainer.is_world_process_zero():
+        spent.write_text(f"{seconds}\n")
     if trainer.state.global_step == 0:
         raise TrainingError(f"training made no optimisation step ({len(trainer.train_dataset)} training drafts, "
                             f"{training_args.num_train_epochs} epochs, max_steps {training_args.max_steps}): "
@@ -311,8 +315,8 @@ def train(args: RunArguments, pair, prompts: list[tuple[str, torch.Tensor]], dat
 
     from ..costs import host_costs
     from .trainer import first_token_auc, first_token_predictors
-    from .tuning import (CALIBRATIONS, best_fixed_length, calibrated_label, cost_aware_ablations, cost_aware_label,
-                         cost_aware_speedup, oracle_speedup, rule_ablations, tune_pacer)
+    from .tuning import (CALIBRATIONS, DRAFT_ESTIMATE_LABEL, best_fixed_length, calibrated_label, cost_aware_ablations,
+                         cost_aware_label, cost_aware_speedup, oracle_speedup, rule_ablations, tune_pacer)
 
     script = args.script
     state = _process_state(args.training.use_cpu)
@@ -368,11 +372,13 @@ def train(args: RunArguments, pair, prompts: list[tuple[str, torch.Tensor]], dat
     ablations = rule_ablations(candidates)
     cost_aware = cost_aware_ablations(head, eval_traces, costs, script.max_draft)
     ablations.update(cost_aware)
-    # the head's default: whichever of its rules replays fastest (the paper's blocks, the cost-aware rule with the
-    # head's estimate as it is, or refitted online alone or with the draft's probability)
+    # the head's default: whichever rule replays fastest (the paper's blocks, the cost-aware rule with the head's
+    # estimate as it is, or refitted online alone or with the draft's probability; or, where the head does not
+    # help, the cost-aware rule on the draft's own probabilities, as it is or refitted)
     defaults = {("blocks", "head", None): best.speedup, ("throughput", "head", None): cost_aware[cost_aware_label(1)]}
     defaults.update({("throughput", estimate, calibration): cost_aware[calibrated_label(estimate, calibration)]
-                     for estimate in ("head", "both") for calibration in CALIBRATIONS})
+                     for estimate in ("head", "both", "draft") for calibration in CALIBRATIONS})
+    defaults[("throughput", "draft", None)] = cost_aware[DRAFT_ESTIMATE_LABEL]
     rule, estimate, calibration = max(defaults, key=defaults.get)  # ties: the first, the paper's rule
     head.config.stopping_rule, head.config.throughput_estimate, head.config.calibration = rule, estimate, calibration
     head.config.draft_nothing = calibration is not None  # as the calibrated variants were replayed (the raw one without)

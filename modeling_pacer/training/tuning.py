@@ -117,6 +117,9 @@ def calibrated_label(estimate: str, calibration: float) -> str:
     return f"cost-aware rule, {what} fitted online (calibration {calibration:g})"
 
 
+DRAFT_ESTIMATE_LABEL = "cost-aware rule, draft probability estimate (no head)"
+
+
 def cost_aware_label(block_size: int) -> str:
     return f"cost-aware rule (expected tokens/s), head estimate, block size {block_size}"
 
@@ -127,8 +130,7 @@ def cost_aware_ablations(head, traces: list[Trace], costs: CostModel, max_draft_
     acceptance = [head_acceptance(head, t) for t in traces]  # the head's predictions do not depend on the rule
     out = {cost_aware_label(b): cost_aware_speedup(head, traces, costs, max_draft_length, b, acceptance)
            for b in COST_AWARE_BLOCKS if b <= max_draft_length}
-    out["cost-aware rule, draft probability estimate (no head)"] = cost_aware_speedup(None, traces, costs,
-                                                                                        max_draft_length)
+    out[DRAFT_ESTIMATE_LABEL] = cost_aware_speedup(None, traces, costs, max_draft_length)
     for estimate in ("head", "both", "draft"):
         for calibration in CALIBRATIONS:
             out[calibrated_label(estimate, calibration)] = calibrated_speedup(
