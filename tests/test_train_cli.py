@@ -620,7 +620,7 @@ def test_card_measures_pacer_against_the_others_per_dataset():
                row("a", "pacer-blocks", 2.9), row("a", "pacer", 2.2, 0.55), row("a", "oracle (replay)", 4.0, 1.0),
                row("b", "target", 1.0), row("b", "fixed-4", 1.5), row("b", "hf-assisted", 2.0), row("b", "pacer", 1.8)]
     text = speed_section(dict(meta=dict(command="pacer-bench run", max_new_tokens=8), summary=summary))
-    assert "| a | 2.20x | 1.10 (fixed-4 2.00x) | 1.10 (fixed-4 2.00x) | 55% |" in text
-    assert "| b | 1.80x | 1.20 (fixed-4 1.50x) | 0.90 (hf-assisted 2.00x) | – |" in text
+    assert "| a | 2.20x | 1.100 (fixed-4 2.00x) | 1.100 (fixed-4 2.00x) | 55% | no: oracle |" in text
+    assert "| b | 1.80x | 1.200 (fixed-4 1.50x) | 0.900 (hf-assisted 2.00x) | – | no: other methods |" in text
     no_pacer = speed_section(dict(meta=dict(command="pacer-bench run", max_new_tokens=8), summary=summary[:4]))
     assert "PACER against the others" not in no_pacer
