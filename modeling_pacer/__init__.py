@@ -29,7 +29,8 @@ from .custom_generate.policies import (
     make_policy,
 )
 from .costs import CostModel, host_costs
-from .exact_attention import exact_linears, make_exact  # importing registers attn_implementation="pacer_exact"
+from .exact_attention import make_exact  # importing registers attn_implementation="pacer_exact"
+from .exact_linear import exact_linears
 from .modeling_pacer import PacerHead, PacerHeadOutput
 
 

@@ -11,6 +11,7 @@ import os
 import platform
 import statistics
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -177,7 +178,7 @@ def describe_model(model) -> dict | None:
         return None
     config = getattr(model, "config", None)
     param = next(model.parameters(), None)
-    linears = sorted({f"{type(m).__module__}.{type(m).__name__}:{getattr(m, '_pacer_min_rows', 0)}"
+    linears = sorted({f"{type(m).__module__}.{type(m).__name__}:{'exact' if hasattr(m, '_pacer_rows') else 'plain'}"
                       for m in model.modules() if "Linear" in type(m).__name__})
     return dict(
         name=str(getattr(config, "_name_or_path", "") or type(model).__name__),
@@ -199,8 +200,43 @@ def describe_host() -> dict:
                 transformers=transformers.__version__)
 
 
+def _cost_key(target, draft, head, max_tokens: int, prefix_tokens: int) -> dict:
+    return dict(format=COST_FORMAT, host=describe_host(), target=describe_model(target), draft=describe_model(draft),
+                head=describe_model(head), max_tokens=max_tokens, prefix_tokens=prefix_tokens)
+
+
+def _cost_path(key_fields: dict, folder=None) -> Path:
+    key = hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()[:20]
+    return (Path(folder) if folder is not None else cache_root() / "costs") / f"{key}.json"
+
+
+STALE_RATIO = 1.3  # an observed cost this far (either way) from the cached curve's says the curve is not this hour's
+
+
+def curve_disagrees(costs: CostModel, drafted: list[int], target_seconds: float) -> float | None:
+    """The ratio observed / predicted of a run's target forwards (verifications of `drafted` tokens, `target_seconds`
+    in all) when it lies outside 1/STALE_RATIO..STALE_RATIO, else None."""
+    if not drafted:
+        return None
+    predicted = sum(costs.target(k + 1) for k in drafted)
+    ratio = target_seconds / predicted if predicted > 0 else float("inf")
+    return ratio if not 1 / STALE_RATIO <= ratio <= STALE_RATIO else None
+
+
+def forget_costs(target, draft, head=None, *, max_tokens: int = 9, prefix_tokens: int = 128, folder=None) -> bool:
+    """Drop the cached curve of these models on this host, so that the next `host_costs` measures again.
+    Returns whether there was one."""
+    path = _cost_path(_cost_key(target, draft, head, max_tokens, prefix_tokens), folder)
+    try:
+        path.unlink()
+        return True
+    except FileNotFoundError:
+        return False
+
+
 def host_costs(target, draft, head=None, *, max_tokens: int = 9, prefix_tokens: int = 128, repeats: int = 5,
-               folder: str | os.PathLike | None = None, refresh: bool = False, max_age_days: float = 7.0) -> CostModel:
+               folder: str | os.PathLike | None = None, refresh: bool = False, max_age_days: float = 7.0,
+               check: bool = False) -> CostModel:
     """This machine's [`CostModel`] for `target`/`draft`/`head`: read from the cache when it was measured here,
     for these models in this dtype, within `max_age_days`; otherwise measured (a few seconds) and cached.
 
@@ -208,19 +244,25 @@ def host_costs(target, draft, head=None, *, max_tokens: int = 9, prefix_tokens: 
     The cache key is the host (name, CPU, thread count, torch and transformers versions) and the models as
     [`describe_model`] sees them; the file (`<folder>/<key>.json`, default `~/.cache/pacer/costs`) keeps
     both, readable. `refresh=True` measures again (the machines are shared: a curve measured under load
-    is wrong until then).
+    is wrong until then). `check=True` (pacer-bench) times the target's one-token forward now and measures
+    the whole curve again, with a warning, when a cached curve is more than `STALE_RATIO` off it.
     """
-    key_fields = dict(format=COST_FORMAT, host=describe_host(), target=describe_model(target),
-                      draft=describe_model(draft), head=describe_model(head), max_tokens=max_tokens,
-                      prefix_tokens=prefix_tokens)
-    key = hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()[:20]
-    path = Path(folder) if folder is not None else cache_root() / "costs"
-    path = path / f"{key}.json"
+    key_fields = _cost_key(target, draft, head, max_tokens, prefix_tokens)
+    path = _cost_path(key_fields, folder)
     if not refresh and path.is_file():
         try:
             saved = json.loads(path.read_text())
             if time.time() - saved["measured_at"] <= max_age_days * 86400:
-                return CostModel.from_dict(saved["costs"])
+                cached = CostModel.from_dict(saved["costs"])
+                if not check:
+                    return cached
+                now = measure_costs(target, draft, None, fixed_prefix(target, prefix_tokens), 1, repeats=3)
+                ratio = curve_disagrees(cached, [0], now.target(1))
+                if ratio is None:
+                    return cached
+                warnings.warn(
+                    f"the cached cost curve ({path}) says {1000 * cached.target(1):.0f} ms for one target token, "
+                    f"measured now {1000 * now.target(1):.0f} ms ({ratio:.2f}x): measuring the curve again", stacklevel=2)
         except (ValueError, KeyError, TypeError):
             pass  # unreadable or from another version: measure again
     prefix = fixed_prefix(target, prefix_tokens)

@@ -22,11 +22,11 @@ is read to find each row's visible keys, and a mask that is not a causal (or sli
 refused. PACER decodes batch size 1 without padding; a left-padded batch (pacer-train records many prompts
 at once) is computed sequence by sequence, each row by the same ops on the same shapes as alone.
 
-Attention is not the only op whose rows depend on the call's shape: on CPU, `nn.Linear` (q/k/v/o
-projections, the MLP, the LM head) takes another code path for a single row than for a block, in bf16 and
-float32, so a decoding step's rows differ from a block's there too. [`exact_linears`] feeds every linear
-layer at least a few rows (zero rows added, their results dropped), which keeps it on the block path;
-RMSNorm, rotary embeddings, activations and embeddings were measured row-invariant as they are.
+Attention is not the only op whose rows depend on the call's shape: on CPU, linear layers (q/k/v/o
+projections, the MLP, the LM head) take other code paths for other row counts, so a decoding step's, a
+block's and a prefill's rows differ there too. [`exact_linears`] (exact_linear.py) measures on the host
+which row counts share a path and keeps every call inside them (padding short calls, chunking long ones);
+RMSNorm, rotary embeddings, activations and embeddings are row-wise as they are (the tests check whole models).
 [`make_exact`] does both:
 
     import modeling_pacer                               # registers "pacer_exact"
@@ -41,11 +41,11 @@ linear layers' padding costs little in bf16 (a few rows cost about what one does
 
 from __future__ import annotations
 
-import types
-
 import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from .exact_linear import exact_linears
 
 NAME = "pacer_exact"
 
@@ -190,45 +190,14 @@ def _attend(q_i, k_i, v_i, scaling, softcap, dropout) -> torch.Tensor:
     return out.reshape(batch, kv_heads * groups, head_dim)
 
 
-def _row_invariant_linear_forward(self, x: torch.Tensor) -> torch.Tensor:
-    """`nn.Linear.forward`, with fewer than `self._pacer_min_rows` rows padded with zero rows, the result cut back."""
-    rows = x.numel() // self.in_features
-    flat = x.reshape(rows, self.in_features)
-    if rows < self._pacer_min_rows:
-        flat = torch.cat([flat, flat.new_zeros(self._pacer_min_rows - rows, self.in_features)])
-    out = torch.nn.functional.linear(flat.contiguous(), self.weight, self.bias)[:rows]
-    return out.reshape(*x.shape[:-1], self.out_features)
-
-
-def exact_linears(model: torch.nn.Module, min_rows: int | None = None) -> torch.nn.Module:
-    """Make every `nn.Linear` of `model` (this instance only) compute a row the same way whatever the number
-    of rows it is fed with. Returns the model.
-
-    CPU GEMM kernels pick their code path by the row count M: a single row (a decoding step) goes through a
-    matrix-vector path whose sums are ordered differently from the rows of a block, in bf16 and in float32
-    (where, with several threads, the work split also changes with small M). Feeding at least `min_rows`
-    rows (zero rows added, their results dropped) keeps every call on the path that blocks use. This is a
-    property of the kernels measured on CPU, not a guarantee by construction: tests/test_exact_attention.py
-    checks it. `min_rows` defaults to 4 for bf16 weights (cheap: a few rows cost what one does) and 16
-    otherwise (float32 needs more rows before its path stops changing with M).
-    """
-    for module in model.modules():
-        if type(module) is torch.nn.Linear:
-            if min_rows is None:
-                rows = 4 if module.weight.dtype == torch.bfloat16 else 16
-            else:
-                rows = min_rows
-            module._pacer_min_rows = rows
-            module.forward = types.MethodType(_row_invariant_linear_forward, module)
-    return model
-
-
-def make_exact(model: torch.nn.Module, min_rows: int | None = None) -> torch.nn.Module:
+def make_exact(model: torch.nn.Module, rows=None) -> torch.nn.Module:
     """`attn_implementation="pacer_exact"` and row-invariant linear layers ([`exact_linears`]) on `model`,
-    so that a k-token forward after a cache gives bitwise the logits of k single-token steps. Call it after
-    any dtype change (the linear layers' row count depends on their dtype). Returns the model."""
+    so that a forward of any number of tokens gives, row for row, bitwise the logits of single-token steps:
+    a verification block, a prefill and transformers' assisted generation compute what plain decoding does.
+    `rows`: force one row range `(lo, hi)` for every linear layer (default: measured on this host per layer).
+    Returns the model."""
     model.set_attn_implementation(NAME)
-    return exact_linears(model, min_rows)
+    return exact_linears(model, rows)
 
 
 def register() -> None:

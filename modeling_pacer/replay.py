@@ -187,6 +187,16 @@ def head_acceptance(head, trace: Trace) -> torch.Tensor:
         return head.acceptance_probabilities(trace.hidden.to(head.dtype), draft_features=features)
 
 
+def _prefill_step(result: ReplayResult, length: int, costs: CostModel) -> int:
+    """The live loop's first step: the target reads the prompt and gives output token 0, nothing drafted
+    (priced as one target token, as the target alone's first token is). Returns the next position."""
+    if length == 0:
+        return 0
+    result.steps.append(DecodeStep(0, 0, 1, "prefill"))
+    result.seconds += costs.step(0)
+    return 1
+
+
 def replay(policy: StoppingPolicy, trace: Trace, costs: CostModel, head=None, acceptance: torch.Tensor | None = None) -> ReplayResult:
     """Run `policy` over `trace` as the live loop would (same calls, same budget rule).
 
@@ -202,7 +212,7 @@ def replay(policy: StoppingPolicy, trace: Trace, costs: CostModel, head=None, ac
     max_draft = trace.token_probs.shape[1]
     result = ReplayResult(target_alone_seconds=trace.length * costs.target(1))
     policy.reset()
-    pos = 0
+    pos = _prefill_step(result, trace.length, costs)
     while pos < trace.length:
         budget = trace.length - pos - 1
         step_cap = policy.begin_step()
@@ -242,8 +252,9 @@ def oracle(trace: Trace, costs: CostModel, max_draft: int) -> ReplayResult:
     for i in range(n - 1, -1, -1):
         options = range(0, min(max_draft, n - i - 1) + 1)
         best[i], choice[i] = min((costs.step(k) + best[i + min(k, int(trace.match[i])) + 1], k) for k in options)
-    result = ReplayResult(target_alone_seconds=n * costs.target(1), seconds=best[0])
-    pos = 0
+    result = ReplayResult(target_alone_seconds=n * costs.target(1))
+    pos = _prefill_step(result, n, costs)
+    result.seconds += best[pos]
     while pos < n:
         k = choice[pos]
         accepted = min(k, int(trace.match[pos]))

@@ -41,6 +41,25 @@ def data_folder(name: str) -> Path:
     return Path(sys.prefix) / "share" / "pacer" / name  # where a wheel would have put it; absent
 
 
+def portable_path(path) -> str | None:
+    """`path` as a record (a results file, a card) should name it: a shipped folder relative to pacer's data
+    root (`heads/NAME`), else relative to the working folder when it lies inside it, else as given; never
+    the absolute path of one machine's checkout or virtualenv when a relative one says the same."""
+    if path is None:
+        return None
+    resolved = Path(path).expanduser().resolve()
+    roots = []
+    try:
+        roots.append(data_folder("heads").parent.resolve())
+    except DataNotInstalledError:
+        pass
+    roots.append(Path.cwd().resolve())
+    for root in roots:
+        if resolved.is_relative_to(root) and resolved.exists():
+            return resolved.relative_to(root).as_posix()
+    return str(path)
+
+
 def ensure_writable_folder(path: Path, flag: str = "--out") -> None:
     """Create `path` and write a probe file in it: a folder that cannot take a command's output should fail
     before the models load, not after a long run."""

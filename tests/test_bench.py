@@ -244,8 +244,8 @@ def test_oracle_is_optimal_under_a_non_monotone_cost_curve():
     trace = Trace("d", "0", match=torch.tensor([2, 1, 0, 3, 2, 1, 0, 0, 1, 0]))
     costs = CostModel({1: 1.0, 2: 1.0, 3: 1.5, 4: 1.0, 5: 2.0}, 0.01)
     best = oracle(trace, costs, 4)
-    for gamma in range(0, 5):  # every fixed schedule, simulated by hand
-        pos, seconds = 0, 0.0
+    for gamma in range(0, 5):  # every fixed schedule, simulated by hand (token 0 from the prefill, one target token)
+        pos, seconds = 1, costs.step(0)
         while pos < trace.length:
             k = min(gamma, trace.length - pos - 1)
             seconds += costs.step(k)

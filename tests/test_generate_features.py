@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteri
 from transformers.generation.streamers import BaseStreamer
 
 import modeling_pacer
-from modeling_pacer import FixedLength, Pacer, pacer_decoding
+from modeling_pacer import DecodeStep, FixedLength, Pacer, pacer_decoding
 
 from conftest import make_head, make_model, make_pair, word_tokenizer
 
@@ -55,7 +55,9 @@ def _first_occurrences(tokens: torch.Tensor) -> list[int]:
 def test_eos_inside_accepted_draft_ends_generation(gamma, which):
     target, draft = make_pair("llama", "llama", "same")
     free = target.generate(PROMPT, max_new_tokens=30)[0, PROMPT.shape[1]:]
-    eos_index = _first_occurrences(free)[which]
+    # a draft that always agrees: token 0 comes from the prefill, then each step drafts gamma tokens and the
+    # target adds one, so the tokens at multiples of gamma + 1 are the target's own, never drafted
+    eos_index = [i for i in _first_occurrences(free) if i % (gamma + 1)][which]
     eos = int(free[eos_index])
     expected = target.generate(PROMPT, max_new_tokens=30, eos_token_id=eos, pad_token_id=0)
     out = _pacer_out(target, draft, PROMPT, policy=FixedLength(gamma), max_new_tokens=30, eos_token_id=eos,
@@ -162,7 +164,8 @@ def test_stats_are_consistent(policy):
         assert step.emitted == step.accepted + 1  # accepted drafts + the target's correction/bonus
         assert 0 <= step.accepted <= step.drafted
     assert stats.steps[-1].emitted <= stats.steps[-1].accepted + 1
-    assert stats.target_forwards == len(stats.steps) + 1  # one verification per step, plus the prefill
+    assert stats.steps[0] == DecodeStep(drafted=0, accepted=0, emitted=1, stop_reason="prefill")
+    assert stats.target_forwards == len(stats.steps)  # one target forward per step: the prefill, then verifications
     # every draft token is one draft forward, minus none: drafts are produced one forward at a time
     assert stats.draft_forwards == sum(s.drafted for s in stats.steps)
     uses_head = policy in ("specdec++", "pacer")

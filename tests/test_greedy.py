@@ -144,7 +144,11 @@ def test_same_weights_draft_accepts_everything():
                           return_dict_in_generate=True)
     stats = out.pacer_stats
     assert stats.acceptance_rate == 1.0
-    assert stats.target_forwards - 1 == len(stats.steps) == 6  # prefill + 6 verifications of 5 + 1 tokens
+    # the prefill (the whole prompt, the first token from its last row, as plain decoding), then 5 verifications
+    # of 5 + 1 tokens and one of 4 + 1 (the budget): 1 + 30 + 5 = 36 tokens, one target forward a step
+    assert [(s.drafted, s.emitted, s.stop_reason) for s in stats.steps] == (
+        [(0, 1, "prefill")] + [(5, 6, "max_draft_length")] * 5 + [(4, 5, "budget")])
+    assert stats.target_forwards == len(stats.steps) == 7
 
 
 def test_random_draft_is_rarely_accepted_yet_lossless():

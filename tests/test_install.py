@@ -1,6 +1,7 @@
 """`pip install .` (not editable) gives a working package: every module imports from the installed copy,
 and the data folders (the default pair's head, the card templates) are found there, not in a checkout."""
 
+import site
 import subprocess
 import sys
 import textwrap
@@ -30,12 +31,32 @@ CHECK = textwrap.dedent("""
 """)
 
 
+def layered_venv(folder: Path) -> Path:
+    """A new virtualenv that sees the packages of the environment these tests run in, after its own: a .pth
+    file adds this interpreter's site-packages (`--system-site-packages` would add the *base* interpreter's,
+    which on a clean machine has none of the dependencies). Returns its python."""
+    subprocess.run([sys.executable, "-m", "venv", str(folder)], check=True)
+    python = folder / "bin" / "python"
+    purelib = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             check=True, capture_output=True, text=True).stdout.strip()
+    lines = "; ".join(f"site.addsitedir({p!r})" for p in site.getsitepackages())
+    (Path(purelib) / "_pacer_parent_env.pth").write_text(f"import site; {lines}\n")
+    return python
+
+
+def test_a_layered_venv_sees_this_environment_and_not_the_base_interpreter(tmp_path):
+    """The venv above imports what this environment has (torch, transformers) from this environment's
+    site-packages, whatever the base interpreter holds."""
+    python = layered_venv(tmp_path / "venv")
+    code = "import torch, transformers; print(torch.__file__); print(transformers.__file__)"
+    out = subprocess.run([python, "-c", code], check=True, capture_output=True, text=True).stdout.split()
+    here = [str(Path(m.__file__).resolve()) for m in (__import__("torch"), __import__("transformers"))]
+    assert [str(Path(p).resolve()) for p in out] == here
+
+
 @pytest.mark.timeout(900)
 def test_non_editable_install_imports_every_module_and_finds_its_data(tmp_path):
-    venv = tmp_path / "venv"
-    # the dependencies come from this environment; only pacer itself is installed, from a built wheel
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
-    python = venv / "bin" / "python"
+    python = layered_venv(tmp_path / "venv")
     subprocess.run([python, "-m", "pip", "install", "--quiet", "--no-deps", "--disable-pip-version-check",
                     str(ROOT)], check=True, cwd=tmp_path)
     out = subprocess.run([python, "-c", CHECK, str(ROOT)], check=True, cwd=tmp_path, capture_output=True, text=True)

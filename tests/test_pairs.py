@@ -324,7 +324,7 @@ def test_dtype_auto_is_bf16_where_the_cpu_has_it_and_the_target_is_exact(tiny_fo
     assert pair.dtype == expected and pair.exact
     assert pair.target.dtype == expected and pair.draft.dtype == expected
     assert pair.target.config._attn_implementation == "pacer_exact"
-    assert all(getattr(m, "_pacer_min_rows", 0) > 0 for m in pair.target.modules() if type(m) is torch.nn.Linear)
+    assert all(is_exact_linear(m) for m in pair.target.modules() if type(m) is torch.nn.Linear)
     assert pair.draft.config._attn_implementation != "pacer_exact"  # only the target's numerics decide the output
     assert str(expected).removeprefix("torch.") in pair.describe()
     # the int8 draft needs float32 whatever the target runs in

@@ -250,7 +250,7 @@ def run(args) -> dict:
     print(f"pacer-bench: {pair.describe()}", file=sys.stderr)
     # this machine's cost curve (cached per host, models and dtype): the oracle and cost-aware rules use it
     longest = head.config.max_draft_length if head is not None else 16  # the cost-aware rules' longest draft
-    costs = host_costs(pair.target, pair.draft, head, max_tokens=max(args.oracle_max_draft, longest) + 1)
+    costs = host_costs(pair.target, pair.draft, head, max_tokens=max(args.oracle_max_draft, longest) + 1, check=True)
     methods = _available_methods(args, head, costs)
     prompts = _prompts(args, pair.tokenizer)
     with tqdm(total=len(prompts) * len(methods), desc="pacer-bench", unit="run") as bar:
@@ -258,7 +258,7 @@ def run(args) -> dict:
                                    sampling=sampling_settings(args.temperature) if args.do_sample else None, seed=args.seed)
     oracle_rows = oracle_records(traces, costs, args.oracle_max_draft)
     meta = dict(command="pacer-bench " + " ".join(shlex.quote(a) for a in sys.argv[1:]), pair=pair.name,
-                head=args.head, max_new_tokens=args.max_new_tokens, threads=torch.get_num_threads(),
+                head=portable_path(args.head), max_new_tokens=args.max_new_tokens, threads=torch.get_num_threads(),
                 quantize_draft=args.quantize_draft, aligned_draft=pair.aligned_draft, quantize_target=pair.quantize_target,
                 dtype=str(pair.dtype).removeprefix("torch."), exact=pair.exact,
                 costs=costs.to_dict(), torch=torch.__version__,
@@ -333,7 +333,7 @@ def run_costs(args) -> dict:
             file=sys.stderr)
         del pair
     meta = dict(command="pacer-bench " + " ".join(shlex.quote(a) for a in sys.argv[1:]), host=describe_host(),
-                head=args.head, quantize_draft=args.quantize_draft)
+                head=portable_path(args.head), quantize_draft=args.quantize_draft)
     (out / "costs.json").write_text(json.dumps(dict(curves=curves, splits=splits, meta=meta), indent=1, default=str))
     tokens = range(1, args.max_tokens + 1)
     lines = [f"Command: `{meta['command']}` (host CPU: {meta['host']['cpu']}, {meta['host']['threads']} threads)", "",

@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import inspect
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -45,7 +46,8 @@ class DecodeStep:
         emitted: tokens appended to the output: `accepted + 1` (the target's correction or bonus
             token), fewer only on the last step when a stopping criterion cut the round short.
         stop_reason: why drafting stopped: the policy's reason (`"head"`, `"confidence"`, ...),
-            `"max_draft_length"`, `"budget"` (max_length reached), or `"eos"` (the draft proposed EOS).
+            `"max_draft_length"`, `"budget"` (max_length reached), `"eos"` (the draft proposed EOS), or
+            `"prefill"` (the first step: the target reads the prompt and gives the first token, as plain decoding does).
     """
 
     drafted: int
@@ -66,6 +68,7 @@ class PacerStats:
     draft_time: float = 0.0
     head_time: float = 0.0
     target_time: float = 0.0
+    prefill_time: float = 0.0  # the part of target_time the prefill took (the whole prompt, the first token)
     total_time: float = 0.0
 
     @property
@@ -176,6 +179,8 @@ def crop_cache(cache, length: int) -> None:
     Called after every step, even with nothing to drop: `crop(0)` trims sliding-window layers, which
     keep their whole past while a draft is pending (`activate_past_recording`), back to the window.
     """
+    if cache.get_seq_length() == 0:
+        return  # an empty cache (the draft's, after the prefill step) has no layers to crop
     cache.crop(-max(0, cache.get_seq_length() - length))
 
 
@@ -460,6 +465,28 @@ def _host_costs(model, draft_model, head):
     return host_costs(model, draft_model, head, max_tokens=head.config.max_draft_length + 1)
 
 
+def _check_host_costs(model, draft_model, head, costs, stats) -> None:
+    """After a call that decided with the cached curve: if its verifications took more than 1.3x (or less than
+    1/1.3) what the curve predicts, over enough steps to say so, the curve is dropped (once per process and
+    models), so the next call measures it again instead of deciding a week of runs with a busy minute's curve."""
+    from modeling_pacer.costs import curve_disagrees, forget_costs
+
+    drafted = [s.drafted for s in stats.steps if s.stop_reason != "prefill"]
+    if len(drafted) < 16:
+        return
+    ratio = curve_disagrees(costs, drafted, stats.target_time - stats.prefill_time)
+    key = (id(model), id(draft_model), id(head))
+    if ratio is None or key in _FORGOTTEN:
+        return
+    _FORGOTTEN.add(key)
+    if forget_costs(model, draft_model, head, max_tokens=head.config.max_draft_length + 1):
+        warnings.warn(f"this call's target forwards took {ratio:.2f}x what the cached cost curve predicts: "
+                      "it will be measured again on the next call", stacklevel=4)
+
+
+_FORGOTTEN: set = set()
+
+
 def _own_copy(policy):
     """A copy of a policy instance for one `generate` call: calls adapt their own state, so one instance can
     serve concurrent calls. Modules it holds (a learned scorer, say) are shared, not copied."""
@@ -496,7 +523,8 @@ def pacer_decoding(
     `return_dict_in_generate=True`.
     """
     head_config = getattr(pacer_head, "config", None)
-    if pacer_costs is None and stopping_policy is None and getattr(head_config, "stopping_rule", None) == "throughput":
+    measured_here = pacer_costs is None and stopping_policy is None and getattr(head_config, "stopping_rule", None) == "throughput"
+    if measured_here:
         pacer_costs = _host_costs(model, draft_model, pacer_head)
     policy = make_policy(stopping_policy, head_config, pacer_costs)
     if policy is stopping_policy:
@@ -520,24 +548,27 @@ def pacer_decoding(
     if pacer_streamer is not None:
         pacer_streamer.put(input_ids.cpu())
 
-    # prefill: the target reads the prompt but its last token, so every step (verification, or a
-    # plain step) feeds `[last token, drafts...]` and gets one distribution per fed token
-    if input_ids.shape[1] > 1:
-        with _Timer(stats, "target", input_ids.device):
-            model_forward(model, input_ids[:, :-1], target_cache, 1)
-        stats.target_forwards += 1
-
     ids = input_ids
     finished = False
+    prefill = True
     while not finished:
-        # one verification yields one more token than was drafted, so never draft past max_length - 1
-        budget = generation_config.max_length - ids.shape[1] - 1
-        proposal = propose(draft_model, draft_cache, pacer_head, policy, ids, budget, logits_processor,
-                           do_sample, eos_token_ids, stats, keep_hidden=pacer_step_callback is not None)
+        if prefill:
+            # the first step drafts nothing: the target reads the whole prompt in one forward and takes the first
+            # token from its last row, the very call plain decoding (`generate` without a draft) makes
+            proposal = Proposal(ids[:, :0], torch.empty(1, 0, 0, device=ids.device), "prefill")
+        else:
+            # one verification yields one more token than was drafted, so never draft past max_length - 1
+            budget = generation_config.max_length - ids.shape[1] - 1
+            proposal = propose(draft_model, draft_cache, pacer_head, policy, ids, budget, logits_processor,
+                               do_sample, eos_token_ids, stats, keep_hidden=pacer_step_callback is not None)
         raw_logits, target_scores = verify(model, target_cache, ids, proposal, logits_processor, stats)
+        if prefill:
+            stats.prefill_time = stats.target_time
         new_tokens, num_accepted = accept(ids, proposal, target_scores, do_sample)
         k = proposal.tokens.shape[1]
-        policy.update(proposal.view, num_accepted)
+        if not prefill:
+            policy.update(proposal.view, num_accepted)
+        prefill = False
         if pacer_step_callback is not None:
             pacer_step_callback(ids, proposal, target_scores, num_accepted)
 
@@ -564,6 +595,8 @@ def pacer_decoding(
     if pacer_streamer is not None:
         pacer_streamer.end()
     stats.total_time = time.perf_counter() - start
+    if measured_here and pacer_costs is not None:
+        _check_host_costs(model, draft_model, pacer_head, pacer_costs, stats)
 
     if not generation_config.return_dict_in_generate:
         return ids

@@ -1,7 +1,7 @@
 """Seconds per step: trl's GKDTrainer (lmbda=0: token-level distillation on the target's own outputs, the
 target's distributions as teacher) against SFTTrainer (sequence-level), the same 4 batches of 4 (the first 24
 ShareGPT prompts in order), the same LoRA, bf16 draft, 2 threads. Needs the bf16 head run's traces in
-/work/runs/head13/traces (pacer-train run training/qwen2.5-coder-1.5b-0.5b-bf16.yaml, with --out there).
+runs/head13/traces (pacer-train run training/qwen2.5-coder-1.5b-0.5b-bf16.yaml, with --out there).
 
     python benchmarks/results/2026-11-30-aligned-draft-agreement/gkd_step_time.py sft   # 22.0 s/step (2026-11-30)
     python benchmarks/results/2026-11-30-aligned-draft-agreement/gkd_step_time.py gkd   # 33.2 s/step
@@ -25,7 +25,7 @@ pair_args.exact = False  # the teacher reads right-padded batches (sdpa); exactn
 pair = pair_from_args(pair_args)
 tok = pair.tokenizer
 prompts = [(pid, apply_chat_template(tok, text)) for pid, text in rows[:24]]
-outputs = {pid: load_traces(f"/work/runs/head13/traces/{pid}.safetensors").traces[0].output for pid, _ in prompts}
+outputs = {pid: load_traces(f"runs/head13/traces/{pid}.safetensors").traces[0].output for pid, _ in prompts}
 data = alignment_dataset(prompts, outputs).remove_columns(["prompt_id"])
 if "gkd" in sys.argv:  # GKD skips trl's dataset preparation: labels built here, -100 on the prompt
     data = data.map(lambda r: {"labels": [t if m else -100 for t, m in zip(r["input_ids"], r["completion_mask"])]}).remove_columns(["completion_mask"])

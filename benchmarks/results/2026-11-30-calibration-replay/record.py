@@ -5,8 +5,8 @@ The default pair as pacer-bench runs it (bf16 exact target, dynamic-int8 draft),
 batched recorder (`record_traces`: the exact target's batched greedy outputs, then the draft's side), one
 safetensors file per prompt, resumable:
 
-    python benchmarks/results/2026-11-30-calibration-replay/record.py /work/runs/bench-traces int8
-    python benchmarks/results/2026-11-30-calibration-replay/record.py /work/runs/bench-traces-int4 int4 /work/runs/bench-traces
+    python benchmarks/results/2026-11-30-calibration-replay/record.py runs/bench-traces int8
+    python benchmarks/results/2026-11-30-calibration-replay/record.py runs/bench-traces-int4 int4 runs/bench-traces
 
 (the second argument: the draft's quantization, `--quantize-draft`; the third: a folder whose traces give the
 target's outputs, so that only the draft's side is recorded).

@@ -4,7 +4,7 @@ token after a cached prefix, as the draft runs live) and teacher-forced in one f
 live behaviour. Nine benchmark prompts (HumanEval, GSM8K, MT-Bench: the first 3 each), 128 target tokens each,
 the target's outputs read from the traces that ../2026-11-30-calibration-replay/record.py wrote:
 
-    python benchmarks/results/2026-11-30-draft-row-invariance/draft_agreement.py /work/runs/bench-traces
+    python benchmarks/results/2026-11-30-draft-row-invariance/draft_agreement.py runs/bench-traces
 """
 import sys
 

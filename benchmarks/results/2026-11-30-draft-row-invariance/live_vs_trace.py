@@ -2,7 +2,7 @@
 (dynamic-int8 draft, as the head was recorded and trained) and print, per step, the draft's token probabilities
 and the head's predictions live beside the trace's at the same output position.
 
-    python benchmarks/results/2026-11-30-draft-row-invariance/live_vs_trace.py /work/runs/bench-traces/humaneval-0.safetensors
+    python benchmarks/results/2026-11-30-draft-row-invariance/live_vs_trace.py runs/bench-traces/humaneval-0.safetensors
 """
 import sys
 

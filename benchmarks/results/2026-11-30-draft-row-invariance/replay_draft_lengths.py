@@ -2,10 +2,10 @@
 (HumanEval, GSM8K, MT-Bench: the first 3 each, dynamic-int8 draft, as 2026-11-30-head-bf16-n3 ran them live),
 to set beside that run's live figures (its results.json: draft_lengths per record).
 
-    python benchmarks/results/2026-11-30-draft-row-invariance/replay_draft_lengths.py COSTS.json /work/runs/bench-traces
+    python benchmarks/results/2026-11-30-draft-row-invariance/replay_draft_lengths.py COSTS.json runs/bench-traces
 
 COSTS.json: a cost file of ~/.cache/pacer/costs for the pair and head (this run used bef2d04c82d9a825dbb9.json,
-the curve host_costs had cached for that head at 07:11 that day); /work/runs/bench-traces: the traces that
+the curve host_costs had cached for that head at 07:11 that day); runs/bench-traces: the traces that
 ../2026-11-30-calibration-replay/record.py wrote (dynamic-int8 draft).
 """
 import json, sys, torch

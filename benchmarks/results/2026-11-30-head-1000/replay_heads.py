@@ -2,10 +2,10 @@
 prompts recorded with the int4 draft (which replay as they run live: ../2026-11-30-head-int4-n10/replay_vs_live.md),
 the cost curve that live run measured, 96 tokens as it generated. Speedup over the target alone, per dataset.
 
-    python benchmarks/results/2026-11-30-head-1000/replay_heads.py /work/runs/bench-traces-int4 \
-        heads/qwen2.5-coder-1.5b-0.5b-int4 /work/runs/head-int4-1000/head
+    python benchmarks/results/2026-11-30-head-1000/replay_heads.py runs/bench-traces-int4 \
+        heads/qwen2.5-coder-1.5b-0.5b-int4 runs/head-int4-1000/head
 
-The traces: ../2026-11-30-calibration-replay/record.py /work/runs/bench-traces-int4 int4 /work/runs/bench-traces.
+The traces: ../2026-11-30-calibration-replay/record.py runs/bench-traces-int4 int4 runs/bench-traces.
 """
 
 import json

@@ -2,9 +2,9 @@
 live run in this folder, beside a replay of the same rules on traces of the same prompts recorded with the same
 (int4) draft, with the cost curve the live run measured (its results.json meta).
 
-    python benchmarks/results/2026-11-30-head-int4-n10/replay_vs_live.py /work/runs/bench-traces-int4
+    python benchmarks/results/2026-11-30-head-int4-n10/replay_vs_live.py runs/bench-traces-int4
 
-The traces: ../2026-11-30-calibration-replay/record.py /work/runs/bench-traces-int4 int4 /work/runs/bench-traces
+The traces: ../2026-11-30-calibration-replay/record.py runs/bench-traces-int4 int4 runs/bench-traces
 (128 tokens each, where the live run generated 96: the replay stops at 96 too).
 """
 
