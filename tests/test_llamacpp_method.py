@@ -187,13 +187,61 @@ def test_real_greedy_run_on_the_default_target():
     pytest.importorskip("llama_cpp")
     eos = [151645, 151643]  # Qwen2.5-Coder-Instruct's <|im_end|>, <|endoftext|>
     engine = llamacpp.LlamaCppRunner(REAL_GGUF, n_ctx=64, eos_token_id=eos, n_threads=1)
-    ids = torch.tensor([engine.llm.tokenize(b"def fibonacci(n):", add_bos=False)])
+    # Qwen2.5's token ids of "def fibonacci(n):" and "x = 1" (llama.cpp now runs in a child process)
+    ids = torch.tensor([[750, 75698, 1445, 1648]])
     out = engine.generate(ids, 8)
     assert out[:, : ids.shape[1]].equal(ids) and ids.shape[1] < out.shape[1] <= ids.shape[1] + 8
     new = out[0, ids.shape[1]:].tolist()
     assert len(new) == 8 or new[-1] in eos and not set(new[:-1]) & set(eos)
-    other = torch.tensor([engine.llm.tokenize(b"x = 1", add_bos=False)])
+    other = torch.tensor([[87, 284, 220, 16]])
     assert engine.generate(other, 4).shape[1] <= other.shape[1] + 4  # another prompt in between
     assert engine.generate(ids, 8).equal(out)  # greedy, every call from an empty cache: the same output
     assert engine.generate(ids, 3).equal(out[:, : ids.shape[1] + 3]) or out.shape[1] < ids.shape[1] + 3
     assert engine.generate(ids, 0).equal(ids)
+
+
+CRASHING_LLAMA_CPP = '''
+import os, signal
+
+class Llama:
+    """Loads, then dies with SIGILL on the first evaluation, as a native build with instructions the CPU
+    lacks does."""
+
+    def __init__(self, **kwargs):
+        self._n_ctx = kwargs["n_ctx"]
+
+    def n_ctx(self):
+        return self._n_ctx
+
+    def reset(self):
+        pass
+
+    def generate(self, prompt, **kwargs):
+        os.kill(os.getpid(), signal.SIGILL)
+        yield 0
+'''
+
+
+def test_a_crash_of_llama_cpp_is_a_reported_failure_not_a_dead_benchmark(pair, monkeypatch, tmp_path):
+    """llama.cpp runs in a child process: a SIGILL there raises LlamaCppFailed naming the signal and the build
+    flags, and run_live drops that method, keeps every other row and says why in `failures`."""
+    (tmp_path / "llama_cpp.py").write_text(CRASHING_LLAMA_CPP)
+    monkeypatch.syspath_prepend(str(tmp_path))  # the spawned child gets this sys.path too
+    monkeypatch.delitem(sys.modules, "llama_cpp", raising=False)
+    crashing = llamacpp.LlamaCppRunner(tmp_path / "model.gguf", n_ctx=64, n_threads=1)
+    ids = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(llamacpp.LlamaCppFailed, match=r"signal 4 \(SIGILL\).*GGML_NATIVE=OFF"):
+        crashing.generate(ids, 4)
+    with pytest.raises(llamacpp.LlamaCppFailed, match="SIGILL"):  # and says so again, without hanging
+        crashing.generate(ids, 4)
+
+    prompts = [("toy", str(i), torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(i)))
+               for i in range(2)]
+    methods = select_methods(["target", "fixed-2", "llama.cpp"], all_methods())
+    failures = {}
+    runner_ = llamacpp.LlamaCppRunner(tmp_path / "model.gguf", n_ctx=64, n_threads=1)
+    records, _ = runner.run_live(pair, None, methods, prompts, NEW, llamacpp=runner_, failures=failures)
+    assert list(failures) == ["llama.cpp"] and "SIGILL" in failures["llama.cpp"]
+    assert sorted({r.method for r in records}) == ["fixed-2", "target"] and len(records) == 2 * len(prompts)
+    report = write_report(tmp_path / "out", [r.to_dict() for r in records], [], dict(command="x", failed=failures))
+    assert "**llama.cpp failed** (no rows): llama.cpp failed: its process died with signal 4 (SIGILL)" in report["table"]

@@ -254,15 +254,18 @@ def run(args) -> dict:
     methods = _available_methods(args, head, costs)
     prompts = _prompts(args, pair.tokenizer)
     with tqdm(total=len(prompts) * len(methods), desc="pacer-bench", unit="run") as bar:
+        failures = {}
         records, traces = run_live(pair, head, methods, prompts, args.max_new_tokens, bar, args.oracle_max_draft,
-                                   sampling=sampling_settings(args.temperature) if args.do_sample else None, seed=args.seed)
+                                   sampling=sampling_settings(args.temperature) if args.do_sample else None, seed=args.seed,
+                                   failures=failures)
     oracle_rows = oracle_records(traces, costs, args.oracle_max_draft)
     meta = dict(command="pacer-bench " + " ".join(shlex.quote(a) for a in sys.argv[1:]), pair=pair.name,
                 head=portable_path(args.head), max_new_tokens=args.max_new_tokens, threads=torch.get_num_threads(),
                 quantize_draft=args.quantize_draft, aligned_draft=pair.aligned_draft, quantize_target=pair.quantize_target,
                 dtype=str(pair.dtype).removeprefix("torch."), exact=pair.exact,
                 costs=costs.to_dict(), torch=torch.__version__,
-                sampling=dict(temperature=args.temperature, seed=args.seed) if args.do_sample else None)
+                sampling=dict(temperature=args.temperature, seed=args.seed) if args.do_sample else None,
+                failed=failures or None)
     result = write_report(Path(args.out), [r.to_dict() for r in records], oracle_rows, meta)
     if args.record_traces:
         full = [

@@ -3,8 +3,15 @@ target's own GGUF file, what a CPU user would run instead of transformers, measu
 
 Optional: `pip install -e ".[llamacpp]"`. PyPI has no CPU wheel of llama-cpp-python, so pip builds the sdist
 (cmake and a C++17 compiler needed; 0.3.36: about 7 minutes of wall time on this project's 2-core machine). The
-default build is native (GGML_NATIVE, `-march=native`: AVX2/AVX512/VNNI where the CPU has them), i.e. built
-for the machine that runs the benchmark; no CMAKE_ARGS are needed.
+default build is native (GGML_NATIVE, `-march=native`: AVX2/AVX512/VNNI, and AMX where the CPU has it). On an
+Intel Xeon with AMX that native build has been seen to die with SIGILL on any batched evaluation (a prompt);
+build it without the native/AMX code there:
+
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON" \
+        pip install --no-cache-dir --force-reinstall -e ".[llamacpp]"
+
+The library runs in a child process ([`LlamaCppRunner`]): a crash of its native code (SIGILL, a segfault)
+becomes a `LlamaCppFailed` that pacer-bench reports as that method's failure, not the end of the benchmark.
 
 Its output is not the torch target's function (llama.cpp computes with the quantized Q4_K_M blocks, torch
 with the weights dequantized to fp32/bf16), so it is reported with its own numerics, never as a mismatch.
@@ -85,25 +92,99 @@ def _eos_ids(eos_token_id) -> set[int]:
     return set(eos_token_id) if isinstance(eos_token_id, (list, tuple, set)) else {int(eos_token_id)}
 
 
+class LlamaCppFailed(RuntimeError):
+    """llama.cpp's process died or failed; the message says how (e.g. "signal 4 (SIGILL)") and what to do."""
+
+
+def _serve(connection, model_path: str, n_ctx: int, n_threads: int) -> None:
+    """The child process: one `llama_cpp.Llama`, greedy continuations on request until told to stop."""
+    llama_cpp = require_llama_cpp()
+    llm = llama_cpp.Llama(model_path=model_path, n_ctx=n_ctx, n_threads=n_threads, n_threads_batch=n_threads,
+                          logits_all=False, verbose=False)
+    connection.send(("ready", llm.n_ctx()))
+    while True:
+        request = connection.recv()
+        if request is None:
+            return
+        prompt, max_new_tokens, eos = request
+        llm.reset()  # n_tokens = 0: `generate` finds no prefix to reuse and clears the KV cache
+        new = []
+        if max_new_tokens > 0:
+            # temp 0 is llama.cpp's greedy sampler (argmax); every other sampler setting is neutral
+            for token in llm.generate(prompt, top_k=1, top_p=1.0, min_p=0.0, typical_p=1.0, temp=0.0,
+                                      repeat_penalty=1.0, reset=True):
+                new.append(int(token))
+                if len(new) >= max_new_tokens or token in eos:
+                    break
+        connection.send(("tokens", new))
+
+
 class LlamaCppRunner:
-    """One `llama_cpp.Llama` on a GGUF file, loaded once (outside every timed region), decoding greedily.
+    """One `llama_cpp.Llama` on a GGUF file, loaded once (outside every timed region) in a child process,
+    decoding greedily.
 
     `generate` starts from the same token ids as the other methods (no text, no added BOS) and stops as
     transformers does: after `max_new_tokens`, or after emitting a token of `eos_token_id` (included).
     Every call starts from an empty KV cache: no prompt prefix is reused across calls (the torch target
     prefills every prompt afresh too; llama-cpp-python would otherwise reuse the longest common prefix of
-    the previous call, e.g. the warm-up's prompt).
+    the previous call, e.g. the warm-up's prompt). A child that dies raises [`LlamaCppFailed`].
     """
 
     def __init__(self, model_path, n_ctx: int, eos_token_id=None, n_threads: int | None = None):
-        llama_cpp = require_llama_cpp()
+        import multiprocessing
+
+        require_llama_cpp()  # a missing library is a clear error here, not in the child
         self.model_path = Path(model_path)
         self.n_threads = n_threads or torch.get_num_threads()
         self.eos_token_ids = _eos_ids(eos_token_id)
-        self.llm = llama_cpp.Llama(
-            model_path=str(self.model_path), n_ctx=n_ctx, n_threads=self.n_threads, n_threads_batch=self.n_threads,
-            logits_all=False, verbose=False,
-        )
+        context = multiprocessing.get_context("spawn")  # a fresh interpreter: no torch threads forked
+        self._connection, child = context.Pipe()
+        self._process = context.Process(target=_serve, args=(child, str(self.model_path), n_ctx, self.n_threads),
+                                        daemon=True)
+        self._process.start()
+        child.close()
+        self._n_ctx = self._receive("ready")
+
+    def _receive(self, kind: str):
+        try:
+            got, value = self._connection.recv()
+        except (EOFError, OSError):
+            self._process.join(timeout=10)
+            raise LlamaCppFailed(self._death()) from None
+        if got != kind:
+            raise LlamaCppFailed(f"llama.cpp's process answered {got!r}, expected {kind!r}")
+        return value
+
+    def _death(self) -> str:
+        import signal
+
+        code = self._process.exitcode
+        if code is not None and code < 0:
+            how = f"signal {-code} ({signal.Signals(-code).name})"
+        else:
+            how = f"exit code {code}"
+        return (f"llama.cpp failed: its process died with {how} (model {self.model_path.name}); a native build that "
+                "uses CPU instructions it should not (e.g. AMX on some Xeons) dies so: rebuild llama-cpp-python with "
+                'CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON" '
+                "(see modeling_pacer/benchmarks/llamacpp.py)")
+
+    def close(self) -> None:
+        if self._process.is_alive():
+            try:
+                self._connection.send(None)
+            except OSError:
+                pass
+            self._process.join(timeout=10)
+        if self._process.is_alive():
+            self._process.kill()
+
+    def __del__(self):
+        process = getattr(self, "_process", None)
+        if process is not None and process.is_alive():
+            process.kill()
+
+    def n_ctx(self) -> int:
+        return self._n_ctx
 
     @classmethod
     def for_pair(cls, pair, prompts, max_new_tokens: int, pacer_cache=None) -> LlamaCppRunner:
@@ -119,16 +200,14 @@ class LlamaCppRunner:
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
             raise ValueError(f"llama.cpp runs batch size 1: input_ids of shape (1, L), got {tuple(input_ids.shape)}")
         prompt = input_ids[0].tolist()
-        if len(prompt) + max_new_tokens > self.llm.n_ctx():
+        if len(prompt) + max_new_tokens > self._n_ctx:
             raise ValueError(f"{len(prompt)} prompt + {max_new_tokens} new tokens exceed llama.cpp's context "
-                             f"of {self.llm.n_ctx()}")
-        self.llm.reset()  # n_tokens = 0: `generate` finds no prefix to reuse and clears the KV cache
-        new = []
-        if max_new_tokens > 0:
-            # temp 0 is llama.cpp's greedy sampler (argmax); every other sampler setting is neutral
-            for token in self.llm.generate(prompt, top_k=1, top_p=1.0, min_p=0.0, typical_p=1.0, temp=0.0,
-                                           repeat_penalty=1.0, reset=True):
-                new.append(int(token))
-                if len(new) >= max_new_tokens or token in self.eos_token_ids:
-                    break
+                             f"of {self._n_ctx}")
+        if not self._process.is_alive():
+            raise LlamaCppFailed(self._death())
+        try:
+            self._connection.send((prompt, max_new_tokens, self.eos_token_ids))
+        except OSError:
+            raise LlamaCppFailed(self._death()) from None
+        new = self._receive("tokens")
         return torch.cat([input_ids, torch.tensor([new], dtype=input_ids.dtype, device=input_ids.device)], dim=1)

@@ -203,6 +203,8 @@ def write_report(out: Path, records: list[dict], oracle_rows: list[dict], meta: 
     summary = summarize(records, oracle_rows)
     histograms = draft_length_histograms(records, oracle_rows)
     table = markdown_table(summary)
+    for name, message in (meta.get("failed") or {}).items():  # a method that died: said under the table
+        table += f"\n**{name} failed** (no rows): {message}\n"
     (out / "results.md").write_text(f"Command: `{meta.get('command', '')}`\n\n" + table)
     payload = dict(meta=meta, summary=summary, draft_length_histograms=histograms, records=records, oracle=oracle_rows)
     (out / "results.json").write_text(json.dumps(payload, indent=1, default=str))

@@ -2,6 +2,7 @@
 the target alone (except llama.cpp's, which computes with its own numerics), forwards counted and timed with
 hooks so that transformers' own methods are measured too."""
 
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -69,7 +70,8 @@ class ForwardMeter:
             handle.remove()
 
 
-def _timed(method: Method, target, draft, head, input_ids, max_new_tokens, meters, llamacpp=None, sampling=None, seed=0):
+def _timed(method: Method, target, draft, head, input_ids, max_new_tokens, meters, llamacpp=None, sampling=None,
+           seed=0):
     """Run one method once: `(sequences, stats, seconds, [(forwards, forward seconds) per meter])`. Sampled
     (`sampling` set), every method starts from torch's generator seeded with `seed`."""
     before = [(m.count, m.seconds) for m in meters]
@@ -89,7 +91,7 @@ def agree_prefix(a: torch.Tensor, b: torch.Tensor, start: int) -> int:
 
 
 def run_live(pair, head, methods: list[Method], prompts, max_new_tokens: int, progress=None, oracle_max_draft=8,
-             llamacpp=None, sampling: dict | None = None, seed: int = 0):
+             llamacpp=None, sampling: dict | None = None, seed: int = 0, failures: dict | None = None):
     """Run every method on every prompt. `prompts`: list of `(dataset, prompt_id, input_ids (1, L))`.
 
     `sampling` ([`sampling_settings`]): sampled decoding, each prompt's runs seeded with `seed` plus the prompt's
@@ -99,7 +101,9 @@ def run_live(pair, head, methods: list[Method], prompts, max_new_tokens: int, pr
     `llamacpp`: the [`LlamaCppRunner`] for the `llama.cpp` method; built here from `pair.target_source`
     (its GGUF file, loaded once, outside the timed region) when that method is selected and none is given.
     Returns `(records, traces)`: a [`Record`] per method and prompt, and the oracle's cheap trace per
-    prompt (recorded from the target's own output, outside the timed region).
+    prompt (recorded from the target's own output, outside the timed region). A method whose native library
+    dies (llama.cpp's `LlamaCppFailed`) is dropped from the run, with no records, and its message put in
+    `failures` (a dict, if given) under its name: the other methods' rows still come.
     """
     target, draft = pair.target, pair.draft
     if not any(m.name == "target" for m in methods):
@@ -108,18 +112,34 @@ def run_live(pair, head, methods: list[Method], prompts, max_new_tokens: int, pr
         from .llamacpp import LlamaCppRunner
 
         llamacpp = LlamaCppRunner.for_pair(pair, prompts, max_new_tokens)
+    from .llamacpp import LlamaCppFailed
+
+    failures = {} if failures is None else failures
+    methods = list(methods)
     meters = [ForwardMeter(target), ForwardMeter(draft)]
+
+    def attempt(method, input_ids, new_tokens, run_seed):
+        """`_timed(method, ...)`, or None when the method's native library died (then it is dropped)."""
+        try:
+            return _timed(method, target, draft, head, input_ids, new_tokens, meters, llamacpp, sampling, run_seed)
+        except LlamaCppFailed as error:
+            failures[method.name] = str(error)
+            methods.remove(method)
+            print(f"pacer-bench: {error}; its rows are left out", file=sys.stderr)
+            return None
+
     try:
         # warm-up (excluded): every method once, on the first prompt, a few tokens
-        for method in methods:
-            _timed(method, target, draft, head, prompts[0][2], min(8, max_new_tokens), meters, llamacpp, sampling, seed)
+        for method in list(methods):
+            attempt(method, prompts[0][2], min(8, max_new_tokens), seed)
         records, traces = [], []
         for j, (dataset, prompt_id, input_ids) in enumerate(prompts):
             order = methods[j % len(methods):] + methods[: j % len(methods)]  # rotate: no method always first
             results = {}
             for method in order:
-                results[method.name] = _timed(method, target, draft, head, input_ids, max_new_tokens, meters, llamacpp,
-                                              sampling, seed + j)
+                result = attempt(method, input_ids, max_new_tokens, seed + j)
+                if result is not None:
+                    results[method.name] = result
                 if progress is not None:
                     progress.update(1)
             reference = results["target"][0]
