@@ -241,7 +241,8 @@ def test_oracle_is_optimal_under_a_non_monotone_cost_curve():
     """Measured costs can dip (verifying 4 tokens cheaper than 3): the oracle must still beat any schedule."""
     from modeling_pacer.replay import Trace
 
-    trace = Trace("d", "0", match=torch.tensor([2, 1, 0, 3, 2, 1, 0, 0, 1, 0]))
+    # (position 0 is the prefill's token: nothing is drafted for it)
+    trace = Trace("d", "0", match=torch.tensor([0, 2, 1, 0, 3, 2, 1, 0, 0, 1, 0]))
     costs = CostModel({1: 1.0, 2: 1.0, 3: 1.5, 4: 1.0, 5: 2.0}, 0.01)
     best = oracle(trace, costs, 4)
     for gamma in range(0, 5):  # every fixed schedule, simulated by hand (token 0 from the prefill, one target token)
