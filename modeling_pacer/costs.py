@@ -213,14 +213,14 @@ def _cost_path(key_fields: dict, folder=None) -> Path:
 STALE_RATIO = 1.3  # an observed cost this far (either way) from the cached curve's says the curve is not this hour's
 
 
-def curve_disagrees(costs: CostModel, drafted: list[int], target_seconds: float) -> float | None:
+def curve_disagrees(costs: CostModel, drafted: list[int], target_seconds: float, limit: float = STALE_RATIO) -> float | None:
     """The ratio observed / predicted of a run's target forwards (verifications of `drafted` tokens, `target_seconds`
-    in all) when it lies outside 1/STALE_RATIO..STALE_RATIO, else None."""
+    in all) when it lies outside 1/limit..limit, else None."""
     if not drafted:
         return None
     predicted = sum(costs.target(k + 1) for k in drafted)
     ratio = target_seconds / predicted if predicted > 0 else float("inf")
-    return ratio if not 1 / STALE_RATIO <= ratio <= STALE_RATIO else None
+    return ratio if not 1 / limit <= ratio <= limit else None
 
 
 def forget_costs(target, draft, head=None, *, max_tokens: int = 9, prefix_tokens: int = 128, folder=None) -> bool:

@@ -197,3 +197,21 @@ def test_cost_rounds_interleave_so_a_burst_of_load_does_not_make_a_stair():
     medians = interleaved_medians([work(1.0), work(2.0), work(3.0), work(4.0)], repeats=5, clock=clock)
     assert medians == [1.0, 2.0, 3.0, 4.0]
     assert calls[0] == 4 * 6  # one warm-up round, excluded
+
+
+def test_a_curve_the_run_contradicts_is_dropped(tmp_path):
+    """curve_disagrees judges observed against predicted target seconds (1.3x either way by default);
+    forget_costs removes the cached curve so the next host_costs measures it again."""
+    from modeling_pacer.costs import curve_disagrees, forget_costs
+
+    curve = CostModel({1: 0.1, 2: 0.1, 3: 0.12}, 0.03)
+    assert curve_disagrees(curve, [1, 2], 0.22) is None  # predicted 0.1 + 0.12
+    assert curve_disagrees(curve, [1, 2], 0.40) == pytest.approx(0.40 / 0.22)
+    assert curve_disagrees(curve, [1, 2], 0.10) == pytest.approx(0.10 / 0.22)
+    assert curve_disagrees(curve, [1, 2], 0.40, limit=2.0) is None
+    assert curve_disagrees(curve, [], 1.0) is None
+    target, draft = make_pair("llama", "llama", "noisy")
+    host_costs(target, draft, max_tokens=3, repeats=1, folder=tmp_path)
+    assert len(list(tmp_path.glob("*.json"))) == 1
+    assert forget_costs(target, draft, max_tokens=3, folder=tmp_path)
+    assert not list(tmp_path.glob("*.json")) and not forget_costs(target, draft, max_tokens=3, folder=tmp_path)
