@@ -25,7 +25,7 @@ import torch
 
 from modeling_pacer.pairs import PairArguments, add_pair_arguments
 from modeling_pacer.prompts import DATASETS
-from modeling_pacer.resources import ensure_writable_folder
+from modeling_pacer.resources import ensure_writable_folder, portable_path
 
 QUICK_METHODS = ["target", "hf-assisted", "hf-constant-2", "fixed-2", "heuristic", "svip", "specdec++", "pacer"]
 COMMANDS = ("run", "replay", "merge", "costs", "agreement", "draft-agreement")
