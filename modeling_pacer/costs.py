@@ -19,7 +19,9 @@ import torch
 from transformers import DynamicCache
 
 from .custom_generate.generate import crop_cache, model_forward
+from .exact_linear import is_exact_linear
 from .pairs.registry import cache_root
+from .resources import write_json
 
 
 @dataclass
@@ -178,7 +180,7 @@ def describe_model(model) -> dict | None:
         return None
     config = getattr(model, "config", None)
     param = next(model.parameters(), None)
-    linears = sorted({f"{type(m).__module__}.{type(m).__name__}:{'exact' if hasattr(m, '_pacer_rows') else 'plain'}"
+    linears = sorted({f"{type(m).__module__}.{type(m).__name__}:{'exact' if is_exact_linear(m) else 'plain'}"
                       for m in model.modules() if "Linear" in type(m).__name__})
     return dict(
         name=str(getattr(config, "_name_or_path", "") or type(model).__name__),
@@ -267,9 +269,5 @@ def host_costs(target, draft, head=None, *, max_tokens: int = 9, prefix_tokens: 
             pass  # unreadable or from another version: measure again
     prefix = fixed_prefix(target, prefix_tokens)
     costs = measure_costs(target, draft, head, prefix, max_tokens, repeats)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    record = dict(key_fields, measured_at=time.time(), costs=costs.to_dict())
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, indent=1))
-    tmp.replace(path)
+    write_json(path, dict(key_fields, measured_at=time.time(), costs=costs.to_dict()))
     return costs

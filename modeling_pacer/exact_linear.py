@@ -40,6 +40,8 @@ from pathlib import Path
 
 import torch
 
+from .resources import write_json
+
 ROWS_FORMAT = "pacer-rows/1"  # bump when the probe changes: older results are probed again
 PROBE_ROWS = 40  # the largest call probed, so the largest chunk: holds a 20-token draft's verification (21 rows)
 PROBE_VALUES = 1 << 18  # outputs compared per row count: a changed summation order shows in a few rounded values
@@ -186,7 +188,6 @@ def describe_layer(module: torch.nn.Module) -> dict:
 
 
 _SEEN: dict[str, RowRange | None] = {}  # this process's probes, by cache key
-_WARNED: set[str] = set()
 
 
 def _rows_folder(folder) -> Path:
@@ -203,7 +204,7 @@ def host_row_range(module: torch.nn.Module, *, folder=None, refresh: bool = Fals
     if not refresh and key in _SEEN:
         return _SEEN[key]
     path = _rows_folder(folder) / f"{key}.json"
-    chosen = runs = None
+    runs = None
     if not refresh and path.is_file():
         try:
             saved = json.loads(path.read_text())
@@ -216,15 +217,11 @@ def host_row_range(module: torch.nn.Module, *, folder=None, refresh: bool = Fals
         record = dict(fields, runs=[[r.lo, r.hi] for r in runs], seconds=time.perf_counter() - started,
                       measured_at=time.time())
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{id(module)}.tmp")
-            tmp.write_text(json.dumps(record, indent=1))
-            tmp.replace(path)
+            write_json(path, record)
         except OSError:
             pass  # a read-only cache: the probe stands for this process
     chosen = choose_range(runs)
-    if chosen is None and key not in _WARNED:
-        _WARNED.add(key)
+    if chosen is None and key not in _SEEN:  # once per process and layer kind
         warnings.warn(
             f"{describe_layer(module)}: no two row counts up to {max_rows} compute a row alike on this CPU; "
             "exact verification falls back to one row per call (exact, slow)", stacklevel=3)
@@ -256,7 +253,7 @@ def _row_invariant_forward(self, x: torch.Tensor) -> torch.Tensor:
         span = self._pacer_probed.get(threads)
         if span is None:
             span = self._pacer_probed[threads] = host_row_range(self) or RowRange(1, 1)
-    forward = _plain_forward(self)
+    forward = self._pacer_plain_forward
     if span.lo <= rows <= span.hi:
         out = forward(flat.contiguous())
     else:
@@ -292,6 +289,7 @@ def exact_linears(model: torch.nn.Module, rows: RowRange | tuple[int, int] | Non
         if exact_kind(module):
             module._pacer_rows = forced
             module._pacer_probed = {}
+            module._pacer_plain_forward = _plain_forward(module)
             module.forward = types.MethodType(_row_invariant_forward, module)
     return model
 

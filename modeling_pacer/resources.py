@@ -7,6 +7,7 @@ records in the distribution's `direct_url.json` (PEP 610).
 """
 
 import json
+import os
 import sys
 from importlib import metadata
 from pathlib import Path
@@ -58,6 +59,15 @@ def portable_path(path) -> str | None:
         if resolved.is_relative_to(root) and resolved.exists():
             return resolved.relative_to(root).as_posix()
     return str(path)
+
+
+def write_json(path: Path, data) -> None:
+    """Write `data` as JSON to `path` (its folder created) through a temporary file, so that a reader (another
+    process sharing the cache) sees the old file or the new one, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)
 
 
 def ensure_writable_folder(path: Path, flag: str = "--out") -> None:

@@ -162,10 +162,10 @@ def test_transformers_assisted_generation_is_the_target_alone(dtype, narrow):
 
 def test_a_forced_range_pads_and_chunks(monkeypatch):
     """With a forced (4, 8), the wrapped layer's own forward sees only calls of 4..8 rows."""
-    layer = exact_linears(torch.nn.Sequential(torch.nn.Linear(16, 8)), (4, 8))[0]
     seen = []
     real = torch.nn.Linear.forward
     monkeypatch.setattr(torch.nn.Linear, "forward", lambda self, x: (seen.append(x.shape[0]), real(self, x))[1])
+    layer = exact_linears(torch.nn.Sequential(torch.nn.Linear(16, 8)), (4, 8))[0]  # binds the layer's own forward
     with torch.no_grad():
         for m in (1, 3, 8, 9, 19):
             assert layer(torch.randn(1, m, 16)).shape == (1, m, 8)

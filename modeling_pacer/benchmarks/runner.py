@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from .llamacpp import LlamaCppFailed, LlamaCppRunner
 from .methods import Method, run_method
 from ..replay import CostModel, Trace, oracle, record_match
 
@@ -108,12 +109,9 @@ def run_live(pair, head, methods: list[Method], prompts, max_new_tokens: int, pr
     target, draft = pair.target, pair.draft
     if not any(m.name == "target" for m in methods):
         raise ValueError("The benchmark needs the 'target' method: every speedup is relative to it.")
+    built = None  # a runner built here is closed here (its child process ends with the run)
     if llamacpp is None and any(m.family == "llamacpp" for m in methods):
-        from .llamacpp import LlamaCppRunner
-
-        llamacpp = LlamaCppRunner.for_pair(pair, prompts, max_new_tokens)
-    from .llamacpp import LlamaCppFailed
-
+        llamacpp = built = LlamaCppRunner.for_pair(pair, prompts, max_new_tokens)
     failures = {} if failures is None else failures
     methods = list(methods)
     meters = [ForwardMeter(target), ForwardMeter(draft)]
@@ -163,6 +161,8 @@ def run_live(pair, head, methods: list[Method], prompts, max_new_tokens: int, pr
     finally:
         for m in meters:
             m.remove()
+        if built is not None:
+            built.close()
     return records, traces
 
 
