@@ -56,8 +56,16 @@ def test_a_layered_venv_sees_this_environment_and_not_the_base_interpreter(tmp_p
 
 @pytest.mark.timeout(900)
 def test_non_editable_install_imports_every_module_and_finds_its_data(tmp_path):
+    # the wheel is built in a plain venv: a build inside a layered one would see the setuptools of every
+    # environment under it (pip's build isolation hides only the venv's own site-packages), and under
+    # .ci/test-with's layer an old one (no PEP 639 license string) was picked up
+    builder = tmp_path / "build-venv"
+    subprocess.run([sys.executable, "-m", "venv", str(builder)], check=True)
+    subprocess.run([builder / "bin" / "python", "-m", "pip", "wheel", "--quiet", "--no-deps", "--disable-pip-version-check",
+                    "--wheel-dir", str(tmp_path / "dist"), str(ROOT)], check=True, cwd=tmp_path)
+    wheel = next((tmp_path / "dist").glob("pacer_decoding-*.whl"))
     python = layered_venv(tmp_path / "venv")
-    subprocess.run([python, "-m", "pip", "install", "--quiet", "--no-deps", "--disable-pip-version-check",
-                    str(ROOT)], check=True, cwd=tmp_path)
+    subprocess.run([python, "-m", "pip", "install", "--quiet", "--no-deps", "--disable-pip-version-check", str(wheel)],
+                   check=True, cwd=tmp_path)
     out = subprocess.run([python, "-c", CHECK, str(ROOT)], check=True, cwd=tmp_path, capture_output=True, text=True)
     assert "modules" in out.stdout
