@@ -28,6 +28,25 @@ def test_head_for_another_draft(pair):
             target.generate(PROMPT, assistant_model=draft, pacer_head=head, stopping_policy=policy, max_new_tokens=5)
 
 
+def test_head_for_another_draft_quantization(pair):
+    """A head trained on the int4 draft, given the plain one (or the reverse): refused, naming the flag that loads the
+    draft it was trained on, whatever the rule reads; a head that records no setting (older heads) is taken."""
+    from modeling_pacer.quantization import quantize_linears
+
+    target, draft = pair
+    for trained_on, flag in (("int4", "--quantize-draft int4"), ("dynamic-int8", "--quantize-draft int8")):
+        head = make_head(draft, draft_quantization=trained_on)
+        for policy in (None, "fixed"):
+            with pytest.raises(ValueError, match=f"trained on the '{trained_on}' draft, but the draft given is 'none'.*{flag}"):
+                target.generate(PROMPT, assistant_model=draft, pacer_head=head, stopping_policy=policy, max_new_tokens=5)
+    int4_draft = quantize_linears(make_model("llama", seed=1, hidden=64).to(torch.bfloat16), "int4")
+    from modeling_pacer.custom_generate.generate import draft_setting
+
+    assert draft_setting(int4_draft) == "int4" and draft_setting(draft) == "none"
+    target.generate(PROMPT, assistant_model=draft, pacer_head=make_head(draft, draft_quantization="none"), max_new_tokens=5)
+    target.generate(PROMPT, assistant_model=draft, pacer_head=make_head(draft), max_new_tokens=5)
+
+
 def test_draft_with_another_vocabulary(pair):
     target, _ = pair
     draft = make_model("llama", seed=2, vocab=50)
@@ -91,6 +110,9 @@ def test_beam_search(pair):
         ("block_size", 0, "block_size must be >= 1"),
         ("max_draft_length", 2, r"max_draft_length \(2\) must be >= block_size \(3\)"),
         ("first_block_size", 17, r"first_block_size must lie in \[0, max_draft_length \(16\)\]"),
+        ("sampling_stopping_rule", "fast", "sampling_stopping_rule must be None, 'blocks' or 'throughput'"),
+        ("sampling_throughput_estimate", "both", "combines two estimates by the online fit: set calibration"),
+        ("draft_quantization", "int3", "draft_quantization must be None or one of"),
     ],
 )
 def test_config_out_of_range(field, value, message):

@@ -74,3 +74,23 @@ def test_head_default_rule_follows_its_config():
         make_policy(None, cost_aware)
     with pytest.raises(ValueError, match="stopping_rule must be 'blocks' or 'throughput'"):
         PacerConfig(draft_hidden_size=8, stopping_rule="fastest")
+
+
+def test_head_default_rule_follows_the_mode():
+    """`sampling_stopping_rule` / `sampling_throughput_estimate` name the sampled-decoding rule; unset, sampling
+    runs the greedy rule."""
+    from modeling_pacer import PacerConfig, make_policy
+    from modeling_pacer.costs import CostModel
+    from modeling_pacer.custom_generate.policies import head_rule
+
+    costs = CostModel({n: 1.0 for n in range(1, 10)}, 0.1)
+    both = PacerConfig(draft_hidden_size=8, max_draft_length=8, stopping_rule="throughput", throughput_estimate="draft",
+                       sampling_stopping_rule="blocks")
+    assert head_rule(both) == ("throughput", "draft") and head_rule(both, do_sample=True) == ("blocks", "draft")
+    assert make_policy(None, both, costs).estimate == "draft"
+    assert isinstance(make_policy(None, both, None, do_sample=True), Pacer)  # the block rule needs no cost curve
+    head_when_sampling = PacerConfig(draft_hidden_size=8, max_draft_length=8, stopping_rule="throughput",
+                                     throughput_estimate="draft", sampling_throughput_estimate="head")
+    assert make_policy(None, head_when_sampling, costs, do_sample=True).estimate == "head"
+    same = PacerConfig(draft_hidden_size=8, max_draft_length=8, stopping_rule="throughput", throughput_estimate="draft")
+    assert head_rule(same, do_sample=True) == head_rule(same) == ("throughput", "draft")

@@ -110,3 +110,20 @@ def test_sampling_without_draft_help_matches_plain_sampling(models):
         outcome = tuple(target.generate(PROMPT, **SETTINGS)[0, PROMPT.shape[1]:].tolist())
         counts[outcome] = counts.get(outcome, 0) + 1
     assert _chi_square_p_value(counts, target_probs, RUNS) > 1e-3
+
+
+def test_head_default_rule_for_sampling_is_the_one_its_config_names(models):
+    """A head whose greedy default reads the draft alone (cost-aware) and whose sampling default is its block rule:
+    `generate(do_sample=True)` runs the block rule (no cost curve needed), greedy runs the cost-aware rule."""
+    from modeling_pacer.costs import CostModel
+
+    target, draft, _, _ = models
+    head = make_head(draft, max_draft_length=8, block_size=2, threshold=0.3, stopping_rule="throughput",
+                     throughput_estimate="draft", sampling_stopping_rule="blocks")
+    torch.manual_seed(0)
+    sampled = target.generate(PROMPT, assistant_model=draft, pacer_head=head, return_dict_in_generate=True, **SETTINGS)
+    assert sampled.pacer_stats.policy.startswith("Pacer(") and sampled.pacer_policy.block_size == 2
+    costs = CostModel({n: 1.0 + 0.1 * n for n in range(1, 10)}, 0.2, 0.01)
+    greedy = target.generate(PROMPT, assistant_model=draft, pacer_head=head, pacer_costs=costs, max_new_tokens=NEW,
+                             return_dict_in_generate=True)
+    assert greedy.pacer_stats.policy.startswith("ExpectedThroughput(estimate='draft'")

@@ -19,6 +19,7 @@ from ..custom_generate.policies import (
     Pacer,
     SpecDecPP,
     StoppingPolicy,
+    head_rule,
     make_policy,
 )
 
@@ -66,11 +67,12 @@ def _ours(name: str, policy: Callable[..., StoppingPolicy], needs_head: bool = F
     return Method(name, "pacer", policy=policy, needs_head=needs_head, needs_costs=needs_costs, costs=costs)
 
 
-def all_methods(gammas=(1, 2, 3, 4, 5, 6), head_config=None, costs=None) -> dict[str, Method]:
-    """Every method by name. `pacer` is the head's default rule (its config's `stopping_rule`: the tuned block
-    rule, `pacer-blocks`, or the cost-aware one, `pacer-throughput`); SpecDec++ uses the head's length cap; the
-    cost-aware rules (`throughput`: the draft's probabilities, `pacer-throughput`: the head's predictions)
-    use `costs`, this machine's measured cost model."""
+def all_methods(gammas=(1, 2, 3, 4, 5, 6), head_config=None, costs=None, do_sample: bool = False) -> dict[str, Method]:
+    """Every method by name. `pacer` is the head's default rule for the mode (`do_sample`: its config's
+    `stopping_rule`, or `sampling_stopping_rule` for sampled decoding where set: the tuned block rule,
+    `pacer-blocks`, or the cost-aware one, on the head's estimate, `pacer-throughput`, or the draft's,
+    `throughput`); SpecDec++ uses the head's length cap; the cost-aware rules use `costs`, this machine's
+    measured cost model."""
     longest = head_config.max_draft_length if head_config else 16
     methods = [
         Method("target", "target"),
@@ -85,8 +87,8 @@ def all_methods(gammas=(1, 2, 3, 4, 5, 6), head_config=None, costs=None) -> dict
         _ours("specdec++", lambda: SpecDecPP(max_draft_length=head_config.max_draft_length if head_config else 16),
               needs_head=True),
         # the head's own default rule (its config's stopping_rule), and the paper's block rule by name
-        _ours("pacer", lambda *c: make_policy(None, head_config, *c), needs_head=True, costs=costs,
-              needs_costs=getattr(head_config, "stopping_rule", "blocks") == "throughput"),
+        _ours("pacer", lambda *c: make_policy(None, head_config, *c, do_sample=do_sample), needs_head=True, costs=costs,
+              needs_costs=head_config is not None and head_rule(head_config, do_sample)[0] == "throughput"),
         _ours("pacer-blocks", lambda: Pacer.from_config(head_config), needs_head=True),
         _ours("throughput", lambda c: ExpectedThroughput(c, "draft", longest), costs=costs, needs_costs=True),
         _ours("pacer-throughput", lambda c: ExpectedThroughput(c, "head", longest), needs_head=True, costs=costs,

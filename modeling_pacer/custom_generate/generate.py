@@ -30,7 +30,7 @@ from transformers import DynamicCache, GenerationMixin, StoppingCriteriaList, St
 from transformers.cache_utils import BaseQuantizedLayer, DynamicLayer, LinearAttentionCacheLayerMixin
 from transformers.generation.utils import ALL_CACHE_NAMES, GenerateDecoderOnlyOutput, _speculative_sampling
 
-from .policies import DraftView, StoppingPolicy, make_policy
+from .policies import DraftView, StoppingPolicy, head_rule, make_policy
 
 
 # --------------------------------------------------------------------------------------------------
@@ -412,6 +412,26 @@ def _vocab_size(model) -> int:
     return int(model.config.get_text_config().vocab_size)
 
 
+# how a user gets each draft setting a head can be trained on, for the error that names it
+_DRAFT_FLAGS = {
+    "int4": "`--quantize-draft int4`, `load_pair(quantize_draft='int4')`",
+    "dynamic-int8": "`--quantize-draft int8`, `load_pair(quantize_draft='int8')`",
+    "none": "`--quantize-draft none`, `load_pair(quantize_draft=False)`",
+}
+
+
+def draft_setting(draft_model) -> str:
+    """`"int4"` (pacer's int4 weight layers), `"dynamic-int8"` (torch's dynamic int8 Linear) or `"none"`: the draft
+    setting a head's `draft_quantization` names. Read from the layers' classes by name, since this file also runs
+    as Hub remote code without pacer installed."""
+    kinds = {type(m).__name__ for m in draft_model.modules()}
+    if "Int4Linear" in kinds:
+        return "int4"
+    if any(type(m).__module__.startswith("torch.ao.nn.quantized.dynamic") for m in draft_model.modules()):
+        return "dynamic-int8"
+    return "none"
+
+
 def _check_inputs(model, draft_model, head, policy, input_ids, generation_config, model_kwargs):
     if draft_model is None:
         raise ValueError("PACER decoding needs a draft model: pass `assistant_model=draft`.")
@@ -437,6 +457,13 @@ def _check_inputs(model, draft_model, head, policy, input_ids, generation_config
         raise ValueError(
             f"The PACER head reads hidden states of size {head.config.draft_hidden_size}, but the draft's "
             f"hidden size is {draft_model.config.get_text_config().hidden_size}: use a head trained for this draft."
+        )
+    trained_on = getattr(head.config, "draft_quantization", None) if head is not None else None
+    if trained_on is not None and trained_on != draft_setting(draft_model):
+        raise ValueError(
+            f"This PACER head was trained on the {trained_on!r} draft, but the draft given is {draft_setting(draft_model)!r}: "
+            f"its hidden states and probabilities differ. Load the draft as the head expects "
+            f"({_DRAFT_FLAGS[trained_on]}), or use a head trained for this draft."
         )
     if policy.needs_head and policy.max_draft_length > head.config.max_draft_length:
         raise ValueError(
@@ -525,10 +552,13 @@ def pacer_decoding(
     `return_dict_in_generate=True`.
     """
     head_config = getattr(pacer_head, "config", None)
-    measured_here = pacer_costs is None and stopping_policy is None and getattr(head_config, "stopping_rule", None) == "throughput"
+    do_sample = generation_config.do_sample
+    # the head's default rule follows the mode: its config may name another rule for sampled decoding
+    measured_here = (pacer_costs is None and stopping_policy is None and head_config is not None
+                     and head_rule(head_config, do_sample)[0] == "throughput")
     if measured_here:
         pacer_costs = _host_costs(model, draft_model, pacer_head)
-    policy = make_policy(stopping_policy, head_config, pacer_costs)
+    policy = make_policy(stopping_policy, head_config, pacer_costs, do_sample)
     if policy is stopping_policy:
         policy = _own_copy(policy)
     _check_inputs(model, draft_model, pacer_head, policy, input_ids, generation_config, model_kwargs)
@@ -536,7 +566,6 @@ def pacer_decoding(
 
     stats = PacerStats(policy=repr(policy))
     start = time.perf_counter()
-    do_sample = generation_config.do_sample
     eos = generation_config._eos_token_tensor
     eos_token_ids = set(eos.flatten().tolist()) if eos is not None else set()
     want_scores = generation_config.return_dict_in_generate and generation_config.output_scores
@@ -635,8 +664,8 @@ def generate(*args, model=None, **kwargs):
     """`model.generate` with PACER: `generate(model, ids, assistant_model=draft, pacer_head=head, ...)`.
 
     The arguments are `GenerationMixin.generate`'s, plus `pacer_head` (a `PacerHead`),
-    `stopping_policy` (a [`StoppingPolicy`] or a name from `POLICIES`; default the head's own rule, its
-    config's `stopping_rule`; an instance is copied for the call and left unmodified, the adapted copy is returned as
+    `stopping_policy` (a [`StoppingPolicy`] or a name from `POLICIES`; default the head's own rule for the mode, its
+    config's `stopping_rule`, or `sampling_stopping_rule` with `do_sample=True` where the head names one; an instance is copied for the call and left unmodified, the adapted copy is returned as
     `out.pacer_policy` with `return_dict_in_generate=True`). With neither of the two this is plain `GenerationMixin.generate` (transformers' own
     assisted generation when `assistant_model` is given). Otherwise transformers prepares everything
     as usual and runs [`pacer_decoding`]; `assistant_model` and `streamer` travel under other names

@@ -442,16 +442,30 @@ POLICIES: dict[str, type[StoppingPolicy]] = {
 }
 
 
-def make_policy(policy: "str | StoppingPolicy | None", head_config=None, costs=None) -> StoppingPolicy:
-    """A policy instance from an instance, a name in `POLICIES`, or `None` (the head's default rule: PACER's
-    blocks, or the cost-aware rule with `costs`, this machine's cost model, when its `stopping_rule` says so)."""
+def head_rule(head_config, do_sample: bool = False) -> tuple[str, str]:
+    """`(stopping_rule, throughput_estimate)` of a head's default rule for greedy or sampled decoding (its config's
+    `sampling_*` fields, where set, for sampling); fields absent from heads saved before they existed read as the
+    defaults then."""
+    rule = getattr(head_config, "stopping_rule", "blocks")
+    estimate = getattr(head_config, "throughput_estimate", "head")
+    if do_sample:
+        rule = getattr(head_config, "sampling_stopping_rule", None) or rule
+        estimate = getattr(head_config, "sampling_throughput_estimate", None) or estimate
+    return rule, estimate
+
+
+def make_policy(policy: "str | StoppingPolicy | None", head_config=None, costs=None, do_sample: bool = False) -> StoppingPolicy:
+    """A policy instance from an instance, a name in `POLICIES`, or `None` (the head's default rule for greedy or,
+    with `do_sample`, sampled decoding: PACER's blocks, or the cost-aware rule with `costs`, this machine's cost
+    model, when the head's config says so)."""
     # duck-typed: a copy of this module loaded as remote code defines its own (equal) classes
     if all(hasattr(policy, attr) for attr in ("begin_step", "stop_reason", "update", "reset", "needs_head")):
         return policy
     if policy is None or policy == Pacer.name:
         if head_config is None:
             raise ValueError("The PACER policy needs a head: pass `pacer_head=PacerHead(...)`.")
-        if policy is None and getattr(head_config, "stopping_rule", "blocks") == "throughput":
+        rule, estimate = head_rule(head_config, do_sample)
+        if policy is None and rule == "throughput":
             if costs is None:
                 raise ValueError(
                     "This head's default stopping rule is cost-aware (stopping_rule='throughput') and needs this "
@@ -459,7 +473,7 @@ def make_policy(policy: "str | StoppingPolicy | None", head_config=None, costs=N
                     "another rule with stopping_policy=... (e.g. 'pacer' for the paper's block rule)."
                 )
             return ExpectedThroughput(  # the head read at every token
-                costs, getattr(head_config, "throughput_estimate", "head"), head_config.max_draft_length,
+                costs, estimate, head_config.max_draft_length,
                 calibration=getattr(head_config, "calibration", None),  # absent from heads saved before they existed
                 draft_nothing=getattr(head_config, "draft_nothing", False),
             )

@@ -314,6 +314,7 @@ def train(args: RunArguments, pair, prompts: list[tuple[str, torch.Tensor]], dat
     from tqdm.auto import tqdm
 
     from ..costs import host_costs
+    from ..custom_generate.generate import draft_setting
     from .trainer import first_token_auc, first_token_predictors
     from .tuning import (CALIBRATIONS, DRAFT_ESTIMATE_LABEL, best_fixed_length, calibrated_label, cost_aware_ablations,
                          cost_aware_label, cost_aware_speedup, oracle_speedup, rule_ablations, tune_pacer)
@@ -382,6 +383,10 @@ def train(args: RunArguments, pair, prompts: list[tuple[str, torch.Tensor]], dat
     rule, estimate, calibration = max(defaults, key=defaults.get)  # ties: the first, the paper's rule
     head.config.stopping_rule, head.config.throughput_estimate, head.config.calibration = rule, estimate, calibration
     head.config.draft_nothing = calibration is not None  # as the calibrated variants were replayed (the raw one without)
+    # a head trained on the target's probabilities serves sampling with its own estimate (the block rule tuned above),
+    # which sampled runs measured ahead of the draft's probability; greedy keeps whichever rule replayed fastest
+    head.config.sampling_stopping_rule = "blocks" if args.training.soft_labels else None
+    head.config.draft_quantization = draft_setting(pair.draft)  # read from the draft that ran, not from a flag
     predictors = first_token_predictors(head, eval_traces)
     for name, variant in variants.items():
         first = first_token_auc(variant, eval_traces)  # the draft's own predictors do not change with the head
