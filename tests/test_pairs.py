@@ -410,3 +410,23 @@ def test_bench_costs_command_measures_each_dtype_once_and_plots(tiny_folder, tmp
     with pytest.raises(SystemExit) as stopped:
         main(["costs", "--dtypes", "int3", "--out", str(tmp_path / "bad")])
     assert stopped.value.code == 2 and "--dtypes" in capsys.readouterr().err
+
+
+def test_the_default_pair_runs_its_best_measured_setting():
+    """The default pair's registry entry names the int4 draft and the head trained for it: `PairArguments` (every
+    command) resolves to them; another draft drops both (the head belongs to the registered draft); `none` is no
+    quantization, the bare flag's int8 stays int8."""
+    from modeling_pacer import PacerConfig
+    from modeling_pacer.pairs import DEFAULT_PAIR, PairArguments, default_head_path, get_pair
+
+    spec = get_pair(DEFAULT_PAIR)
+    assert spec.quantize_draft == "int4" and spec.head == "qwen2.5-coder-1.5b-0.5b-int4-soft"
+    assert PairArguments().quantize_draft == "int4"
+    assert PairArguments(quantize_draft="none").quantize_draft is None
+    assert PairArguments(quantize_draft="int8").quantize_draft == "int8"
+    assert PairArguments(draft="org/other-draft").quantize_draft is None
+    head = default_head_path(DEFAULT_PAIR)
+    config = PacerConfig.from_pretrained(head)
+    assert head.name == spec.head and config.draft_quantization == spec.quantize_draft
+    assert (config.stopping_rule, config.throughput_estimate, config.sampling_stopping_rule) == ("throughput", "draft", "blocks")
+    assert default_head_path("no/such-pair") is None

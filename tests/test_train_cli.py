@@ -319,9 +319,16 @@ def test_two_processes(tmp_path):
 # --------------------------------------------------------------------------------------------------
 # arguments
 # --------------------------------------------------------------------------------------------------
-HEAD = Path(__file__).parent.parent / "heads" / "qwen2.5-coder-1.5b-0.5b"
-RECIPE = Path(__file__).parent.parent / "training" / "qwen2.5-coder-1.5b-0.5b.yaml"
-README_COMMAND = "pacer-train --quantize-draft --n 24 --max-draft 12 --epochs 8 --ablate-position-embedding --out runs/head"
+HEAD = Path(__file__).parent.parent / "heads" / "qwen2.5-coder-1.5b-0.5b-int4"
+RECIPE = Path(__file__).parent.parent / "training" / "qwen2.5-coder-1.5b-0.5b-int4.yaml"
+README = Path(__file__).parent.parent / "README.md"
+
+
+def _readme_train_command() -> str:
+    """The README's `pacer-train run` command (its "Train a head for your own pair" block), continuation lines joined."""
+    text = README.read_text().replace("\\\n", " ")
+    line = next(line for line in text.splitlines() if line.startswith("pacer-train run "))
+    return line.split("#")[0].strip()
 
 
 def _settings(args) -> dict:
@@ -380,22 +387,26 @@ def test_committed_commands_parse_to_their_settings():
     """The commands that committed cards and the README quote still mean what they meant."""
     card_command = json.loads((HEAD / "training_summary.json").read_text())["command"]
     assert f"\n{card_command}\n" in (HEAD / "README.md").read_text()
-    args = cli.parse_run_args(shlex.split(card_command)[1:])
-    assert args.pair.quantize_draft and args.pair.is_default
+    command, arguments = cli.split_command(shlex.split(card_command)[1:])
+    assert command == "run"
+    at = arguments.index("--target-outputs-from")  # another run's folder (see the recipe's comment), not here
+    del arguments[at : at + 2]
+    args = cli.parse_run_args(arguments)
+    assert args.pair.quantize_draft == "int4" and args.pair.is_default
     s, t = args.script, args.training
     assert (s.n, s.prompt_filter, s.eval_fraction, s.max_new_tokens, s.max_draft, s.out) == (
-        20, "CODE_AND_MATHS", 0.25, 128, 12, "/tmp/pt2/run")
-    assert s.ablate_position_embedding and s.resume and t.num_train_epochs == 8.0
-    assert cli.split_command(["run", *shlex.split(card_command)[1:]]) == ("run", shlex.split(card_command)[1:])
-    assert cli.split_command(shlex.split(card_command)[1:]) == ("run", shlex.split(card_command)[1:])
-    readme = cli.parse_run_args(shlex.split(README_COMMAND)[1:])
-    assert (readme.script.n, readme.script.max_draft, readme.training.num_train_epochs, readme.script.out) == (
-        24, 12, 8.0, "runs/head")
-    assert readme.pair.quantize_draft and readme.script.ablate_position_embedding
+        1000, None, 0.15, 128, 12, "runs/head-int4-1000")
+    assert s.head_draft_features and s.head_draft_prior and s.resume and t.num_train_epochs == 3.0
+    assert cli.split_command(["run", *arguments]) == ("run", arguments)
+    assert cli.split_command(arguments) == ("run", arguments)
+    command, arguments = cli.split_command(shlex.split(_readme_train_command())[1:])
+    readme = cli.parse_run_args(arguments)
+    assert command == "run" and (readme.script.n, readme.script.out, readme.pair.quantize_draft) == (100, "runs/my-head", "int4")
+    assert readme.training.soft_labels and readme.script.head_draft_features and readme.script.head_draft_prior
+    assert (readme.pair.target, readme.pair.draft) == ("org/big", "org/small")
 
 
-@pytest.mark.parametrize("name", ["qwen2.5-coder-1.5b-0.5b", "qwen2.5-coder-1.5b-0.5b-bf16", "qwen2.5-coder-1.5b-0.5b-aligned",
-                                  "qwen2.5-coder-1.5b-0.5b-int4", "qwen2.5-coder-1.5b-0.5b-int4-soft"])
+@pytest.mark.parametrize("name", ["qwen2.5-coder-1.5b-0.5b-int4", "qwen2.5-coder-1.5b-0.5b-int4-soft"])
 def test_recipe_is_the_committed_heads_command(tmp_path, name):
     """training/NAME.yaml trains what the committed head heads/NAME's card says it was trained with (but for
     where that run kept its files, and another run's traces it took the target's outputs from); a JSON recipe

@@ -8,6 +8,10 @@ from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 
 
+# the draft settings a head can be trained on: pacer's int4 weight layers, torch's dynamic int8, or none
+DRAFT_SETTINGS = ("int4", "dynamic-int8", "none")
+
+
 @strict
 class PacerConfig(PreTrainedConfig):
     r"""
@@ -55,6 +59,15 @@ class PacerConfig(PreTrainedConfig):
             decoding to each call's accept/reject outcomes (`OnlineCalibration`, a logistic fit starting from the
             estimate as it is, with a prior worth this many outcomes); None: the estimate as it is. A head trained on
             one kind of text is off on another; the outcomes of every verification say by how much.
+        sampling_stopping_rule (`str`, *optional*): the rule for sampled decoding (`do_sample=True`), when it
+            differs from the greedy one (`stopping_rule`); None: the same. A sampled token's probability says less
+            about its acceptance (min(1, p/q)) than the greedy token's about a match, so a head trained on the
+            target's probabilities can estimate sampled acceptance better than the draft's probability does, while
+            in greedy decoding the draft's probability may be the better estimate: one head then serves both.
+        sampling_throughput_estimate (`str`, *optional*): `throughput_estimate` for sampled decoding; None: the same.
+        draft_quantization (`str`, *optional*): the draft setting the head was trained on (`"int4"`, `"dynamic-int8"`
+            or `"none"`), since a quantized draft's hidden states and probabilities differ from the plain draft's;
+            `generate` refuses a draft of another setting. None: not recorded (heads saved before it existed).
         draft_nothing (`bool`): with `stopping_rule="throughput"`, let a step draft nothing when, at the acceptance
             rate seen so far in the call, no draft length is expected to beat the target alone.
         use_position_embedding (`bool`): add the learned draft-position embedding (an ablation switch).
@@ -82,6 +95,9 @@ class PacerConfig(PreTrainedConfig):
     stopping_rule: str = "blocks"
     throughput_estimate: str = "head"
     calibration: int | float | None = None
+    sampling_stopping_rule: str | None = None
+    sampling_throughput_estimate: str | None = None
+    draft_quantization: str | None = None
     draft_nothing: bool = False
     use_position_embedding: bool = True
     use_draft_features: bool = False
@@ -138,13 +154,21 @@ class PacerConfig(PreTrainedConfig):
             raise ValueError("PacerConfig.draft_prior needs use_draft_features=True (it reads the draft's probabilities).")
         if self.stopping_rule not in ("blocks", "throughput"):
             raise ValueError(f"PacerConfig.stopping_rule must be 'blocks' or 'throughput', got {self.stopping_rule!r}.")
-        if self.throughput_estimate not in ("head", "both", "draft"):
+        if self.sampling_stopping_rule not in (None, "blocks", "throughput"):
             raise ValueError(
-                f"PacerConfig.throughput_estimate must be 'head', 'both' or 'draft', got {self.throughput_estimate!r}."
+                f"PacerConfig.sampling_stopping_rule must be None, 'blocks' or 'throughput', got {self.sampling_stopping_rule!r}."
+            )
+        for name in ("throughput_estimate", "sampling_throughput_estimate"):
+            value = getattr(self, name)
+            if value not in ("head", "both", "draft") and not (name.startswith("sampling") and value is None):
+                raise ValueError(f"PacerConfig.{name} must be 'head', 'both' or 'draft', got {value!r}.")
+        if self.draft_quantization not in (None, *DRAFT_SETTINGS):
+            raise ValueError(
+                f"PacerConfig.draft_quantization must be None or one of {DRAFT_SETTINGS}, got {self.draft_quantization!r}."
             )
         if self.calibration is not None and not self.calibration > 0:
             raise ValueError(f"PacerConfig.calibration must be > 0 (a prior strength) or None, got {self.calibration}.")
-        if self.throughput_estimate == "both" and self.calibration is None:
+        if "both" in (self.throughput_estimate, self.sampling_throughput_estimate) and self.calibration is None:
             raise ValueError("PacerConfig.throughput_estimate='both' combines two estimates by the online fit: set calibration.")
         if not 0.0 <= self.threshold <= 1.0:
             raise ValueError(f"PacerConfig.threshold must lie in [0, 1], got {self.threshold}.")
@@ -154,4 +178,4 @@ class PacerConfig(PreTrainedConfig):
             raise ValueError(f"PacerConfig.dropout must lie in [0, 1), got {self.dropout}.")
 
 
-__all__ = ["PacerConfig"]
+__all__ = ["DRAFT_SETTINGS", "PacerConfig"]

@@ -35,6 +35,7 @@ class LoadedPair:
     exact: bool = False  # the target's verification is bitwise row-invariant (`make_exact`)
     quantize_target: str | None = None  # the target's weight-only quantization (TARGET_QUANTIZATIONS), if any
     aligned_draft: str | None = None  # the LoRA adapter merged into the draft (`load_pair(aligned_draft=...)`), if any
+    quantize_draft: str | None = None  # the draft's quantization (DRAFT_QUANTIZATIONS), if any
 
     @property
     def setting(self) -> str:
@@ -51,7 +52,8 @@ class LoadedPair:
 def resolve_pair(name_or_target: str | os.PathLike | PairSpec, draft=None) -> PairSpec:
     """A PairSpec from a registry name, a PairSpec, or a target (repo id / folder / .gguf) plus `draft`.
 
-    With a registry name, `draft` (if given) replaces the registered draft.
+    With a registry name, `draft` (if given) replaces the registered draft, and with it the pair's draft setting
+    and head (made for the registered draft).
     """
     if isinstance(name_or_target, PairSpec):
         spec = name_or_target
@@ -65,7 +67,7 @@ def resolve_pair(name_or_target: str | os.PathLike | PairSpec, draft=None) -> Pa
             )
         target = ModelSource.from_string(name_or_target)
         return PairSpec(name=f"{target.describe()} / {draft}", target=target, draft=_as_source(draft))
-    return spec if draft is None else replace(spec, draft=_as_source(draft))
+    return spec if draft is None else replace(spec, draft=_as_source(draft), quantize_draft=None, head=None)
 
 
 def _as_source(src) -> ModelSource:
@@ -168,7 +170,7 @@ def load_pair(
     dtype: torch.dtype | str = "auto",
     draft_dtype: torch.dtype | str | None = None,
     device_map=None,
-    quantize_draft: bool | str = False,
+    quantize_draft: bool | str | None = None,
     quantize_target: str | None = None,
     exact: bool = True,
     load_in_8bit_target: bool = False,
@@ -186,9 +188,10 @@ def load_pair(
             float32): a torch dtype, its name, or `"auto"` (default): bf16 on a CPU with native bf16 (or a
             bf16-capable GPU), float32 elsewhere. `LoadedPair.dtype` says which was used.
         device_map: passed to both `from_pretrained` calls (e.g. `"auto"`).
-        quantize_draft: quantize the draft's Linear layers (CPU): True or "int8" for dynamic int8 (float32
-            draft), "int4" for 4-bit weights in groups of 32 with bf16 activations. Only speed changes: the
-            target decides every token.
+        quantize_draft: quantize the draft's Linear layers (CPU): "int4" for 4-bit weights in groups of 32 with
+            bf16 activations, True or "int8" for dynamic int8 (float32 draft), False (or "none") for none; None
+            (default): the registered pair's setting (`PairSpec.quantize_draft`: int4 for the default pair), none
+            for any other pair. Only speed changes: the target decides every token.
         quantize_target: keep a GGUF target's 4-bit weights 4-bit (CPU, bf16 activations): "int4" repacks
             its Q4_K tensors unchanged for torch's int4 kernel and requantizes the rest (Q6_K, the LM head) to
             int4; "int4+int8" makes the rest int8 (closer to the file, slower). Needs a GGUF target (a
@@ -210,7 +213,7 @@ def load_pair(
         WeightsNotInstalledError: a registered pair's weights are missing; the message names the command.
     """
     spec = resolve_pair(name_or_target, draft)
-    quantize_draft = _check_draft_quantization(quantize_draft)
+    quantize_draft = _check_draft_quantization(spec.quantize_draft if quantize_draft is None else quantize_draft)
     if quantize_target is not None:
         _check_target_quantization(quantize_target, spec.target, dtype, load_in_8bit_target, device_map)
         dtype = torch.bfloat16
@@ -249,7 +252,7 @@ def load_pair(
     tokenizer = load_tokenizer(spec.target, pacer_cache, pair_name=spec.name)
     seconds["tokenizer"] = time.perf_counter() - t0
     return LoadedPair(target, draft_model, tokenizer, spec.name, spec.target, spec.draft, seconds, dtype, exact,
-                      quantize_target, None if aligned_draft is None else str(aligned_draft))
+                      quantize_target, None if aligned_draft is None else str(aligned_draft), quantize_draft)
 
 
 def default_draft_dtype(quantize_draft: str | None, dtype: torch.dtype | str) -> torch.dtype | str:
@@ -304,8 +307,8 @@ def merge_adapter(model: torch.nn.Module, adapter: str | os.PathLike) -> torch.n
 
 
 def _check_draft_quantization(quantize_draft) -> str | None:
-    """`quantize_draft` as one of DRAFT_QUANTIZATIONS or None (True means "int8", as before "int4" existed)."""
-    if quantize_draft in (None, False, ""):
+    """`quantize_draft` as one of DRAFT_QUANTIZATIONS or None for none (True means "int8", as before "int4" existed)."""
+    if quantize_draft in (None, False, "", "none"):
         return None
     if quantize_draft is True:
         return "int8"
@@ -355,12 +358,12 @@ class PairArguments:
     draft: str | None = field(default=None, metadata={"help": "draft repo id, folder or .gguf (replaces the pair's draft)"})
     quantize_draft: str | None = field(
         default=None,
-        metadata={"help": "quantized draft: cheaper drafting, still lossless (only the target's numerics matter); "
-                          "--quantize-draft alone is dynamic int8, --quantize-draft int4 is 4-bit weights with "
-                          "bf16 activations (faster here, and the same function in one forward as in decoding "
-                          "steps, so its traces describe it: use it to record and train heads); a head is "
-                          "trained on (and recorded with) the draft it will serve",
-                  "choices": tuple(DRAFT_QUANTIZATIONS), "nargs": "?", "const": "int8"},
+        metadata={"help": "the draft's quantization: cheaper drafting, still lossless (only the target's numerics "
+                          "matter); default: the pair's (int4 for the default pair, none for another); int4 is "
+                          "4-bit weights with bf16 activations (the same function in one forward as in decoding "
+                          "steps, so its traces describe it), int8 (or the flag alone) dynamic int8, none the "
+                          "unquantized draft; a head is trained on (and recorded with) the draft it will serve",
+                  "choices": (*DRAFT_QUANTIZATIONS, "none"), "nargs": "?", "const": "int8"},
     )
     quantize_target: str | None = field(
         default=None,
@@ -384,11 +387,12 @@ class PairArguments:
     )
 
     def __post_init__(self):
+        unset = self.quantize_draft is None  # the pair's own setting, known once the pair is
         try:  # a recipe's `quantize_draft: true` is int8, the flag's meaning before int4 drafts existed
             self.quantize_draft = _check_draft_quantization(self.quantize_draft)
         except ValueError:
-            raise ValueError(f"--quantize-draft must be one of {tuple(DRAFT_QUANTIZATIONS)} (a recipe's true means int8), "
-                             f"got {self.quantize_draft!r}") from None
+            raise ValueError(f"--quantize-draft must be one of {(*DRAFT_QUANTIZATIONS, 'none')} (a recipe's true means "
+                             f"int8, false none), got {self.quantize_draft!r}") from None
         try:
             resolve_dtype(self.dtype)
         except ValueError as error:
@@ -400,6 +404,8 @@ class PairArguments:
             spec = resolve_pair(self.target or self.pair or DEFAULT_PAIR, self.draft)
         except (KeyError, ValueError) as error:
             raise ValueError(f"{'--target' if self.target else '--pair'}: {error}") from None
+        if unset:  # from here on, the setting that runs (None: no quantization)
+            self.quantize_draft = spec.quantize_draft
         if self.quantize_target:
             try:
                 _check_target_quantization(self.quantize_target, spec.target, self.dtype, False, None)
@@ -428,7 +434,8 @@ def add_pair_arguments(parser: argparse.ArgumentParser) -> None:
 
 def pair_from_args(args, **kwargs) -> LoadedPair:
     """`load_pair` from the arguments that `add_pair_arguments` defines."""
-    return load_pair(args.target or args.pair or DEFAULT_PAIR, args.draft, quantize_draft=args.quantize_draft,
+    # `PairArguments` has resolved the pair's default already: None there means none
+    return load_pair(args.target or args.pair or DEFAULT_PAIR, args.draft, quantize_draft=args.quantize_draft or False,
                      quantize_target=args.quantize_target, dtype=args.dtype, exact=args.exact,
                      aligned_draft=getattr(args, "aligned_draft", None), **kwargs)
 

@@ -102,12 +102,18 @@ class ModelSource:
 
 @dataclass(frozen=True)
 class PairSpec:
-    """A named draft/target pair. The draft must share the target's tokenizer (vocabulary)."""
+    """A named draft/target pair. The draft must share the target's tokenizer (vocabulary).
+
+    `quantize_draft` and `head` are the pair's defaults, the setting its committed benchmark measured fastest:
+    the draft's quantization (`load_pair`'s `quantize_draft`) and the head trained for that draft (a folder
+    name under pacer's `heads/`, or a Hub repo id)."""
 
     name: str
     target: ModelSource
     draft: ModelSource
     description: str = ""
+    quantize_draft: str | None = None
+    head: str | None = None
 
 
 PAIRS: dict[str, PairSpec] = {}
@@ -151,7 +157,9 @@ register_pair(
         target=ModelSource(parts=QWEN_CODER_1_5B_Q4KM),
         draft=ModelSource(parts=QWEN_CODER_0_5B_Q4),
         description="Qwen2.5-Coder-1.5B-Instruct (GGUF Q4_K_M) / Qwen2.5-Coder-0.5B-Instruct (GGUF), "
-        "dequantized to fp32; offline from PyPI",
+        "dequantized (the draft then int4); offline from PyPI",
+        quantize_draft="int4",  # the draft setting of the fastest committed run (and the one its head was trained on)
+        head="qwen2.5-coder-1.5b-0.5b-int4-soft",  # greedy: the draft's probability; sampling: the head's block rule
     )
 )
 
@@ -159,12 +167,16 @@ register_pair(
 # --------------------------------------------------------------------------------------------------
 # cache locations
 # --------------------------------------------------------------------------------------------------
-def default_head_path(pair_name: str) -> Path | None:
-    """The head trained for a registered pair, when pacer ships one (`heads/<pair name with - for />`)."""
+def default_head_path(pair_name: str) -> Path | str | None:
+    """The head a registered pair names (`PairSpec.head`): its folder under pacer's `heads/` when pacer ships it,
+    else the name as given (a Hub repo id); None for a pair that names none (or an unregistered one)."""
     from ..resources import data_folder
 
-    folder = data_folder("heads") / pair_name.replace("/", "-")
-    return folder if (folder / "config.json").is_file() else None
+    spec = PAIRS.get(pair_name)
+    if spec is None or spec.head is None:
+        return None
+    folder = data_folder("heads") / spec.head
+    return folder if (folder / "config.json").is_file() else spec.head
 
 
 def cache_root(pacer_cache: str | os.PathLike | None = None) -> Path:
