@@ -435,3 +435,56 @@ def test_recording_with_a_row_variant_draft_warns():
     assert row_variant_linears(draft) > 0
     with pytest.warns(UserWarning, match="--quantize-draft int4"):
         record_trace(draft, target, ids, output, 4)
+
+
+def test_pacer_method_follows_the_mode():
+    """A head whose config names another rule for sampling: `pacer` is the cost-aware draft-probability rule in a
+    greedy run and the head's block rule in a sampled one."""
+    from modeling_pacer import ExpectedThroughput, PacerConfig
+    from modeling_pacer.custom_generate.policies import Pacer
+
+    costs = CostModel({n: 1.0 for n in range(1, 20)}, 0.1, 0.01)
+    config = PacerConfig(draft_hidden_size=8, max_draft_length=8, stopping_rule="throughput", throughput_estimate="draft",
+                         sampling_stopping_rule="blocks")
+    greedy = all_methods(head_config=config, costs=costs)["pacer"]
+    assert greedy.needs_costs and isinstance(greedy.make_policy(), ExpectedThroughput)
+    assert greedy.make_policy().estimate == "draft"
+    sampled = all_methods(head_config=config, costs=costs, do_sample=True)["pacer"]
+    assert not sampled.needs_costs and isinstance(sampled.make_policy(), Pacer)
+
+
+def test_replay_skips_methods_longer_than_the_traces(setup, tmp_path, capsys):
+    """Traces with 6-token drafts: methods that may draft longer (heuristic 64, svip 20) are skipped with one line
+    naming them; the others are replayed."""
+    import json
+
+    from modeling_pacer.benchmarks.cli import main
+
+    dataset, prompt_id, ids = setup.prompts[0]
+    costs = CostModel({n: 1.0 + 0.2 * (n > 3) for n in range(1, 14)}, 0.1, 0.01)
+    output = setup.pair.target.generate(ids, max_new_tokens=NEW)[0, ids.shape[1]:]
+    trace = record_trace_by_decoding(setup.pair.draft, ids, output, 6, False, dataset, prompt_id)
+    save_traces(tmp_path / "t.safetensors", [trace], costs, pair="toy")
+    main(["replay", str(tmp_path / "t.safetensors"), "--methods", "fixed-2", "heuristic", "svip", "--out", str(tmp_path / "r")])
+    err = capsys.readouterr().err
+    assert "skipping heuristic (up to 64), svip (up to 20)" in err and "(6)" in err
+    rows = [r["method"] for r in json.loads((tmp_path / "r" / "replay.json").read_text())["rows"]]
+    assert rows == ["fixed-2", "oracle"]
+
+
+def test_verdict_names_pacer_the_best_other_and_losslessness(tmp_path):
+    from modeling_pacer.benchmarks.report import verdict
+
+    def row(method, speedup, mismatches=0):
+        return dict(dataset="all", method=method, prompts=3, speedup=speedup, tokens_per_s=2.0 * speedup,
+                    mismatches=mismatches, own_numerics=False, sampled=False)
+
+    summary = [row("target", 1.0), row("svip", 1.6), row("pacer", 1.8), row("fixed-2", 1.4),
+               dict(row("oracle (replay)", 3.0))]
+    line = verdict(summary, tmp_path / "out")
+    assert line.startswith("PACER 1.80x the target alone (3.6 tokens/s, the target alone 2.0)")
+    assert "best other: svip 1.60x (PACER ahead)" in line and "every method lossless" in line
+    assert line.endswith(f"files in {tmp_path / 'out'}/") and "\n" not in line
+    summary[1]["speedup"], summary[3]["mismatches"] = 1.9, 1
+    line = verdict(summary, tmp_path / "out")
+    assert "best other: svip 1.90x (ahead of PACER)" in line and "NOT LOSSLESS: fixed-2 (1/3)" in line

@@ -27,7 +27,10 @@ from modeling_pacer.pairs import PairArguments, add_pair_arguments
 from modeling_pacer.prompts import DATASETS
 from modeling_pacer.resources import ensure_writable_folder, portable_path
 
-QUICK_METHODS = ["target", "hf-assisted", "hf-constant-2", "fixed-2", "heuristic", "svip", "specdec++", "pacer"]
+# `--quick`: the 30-prompt benchmark's methods and length on its first prompt of each dataset, the shortest run
+# that reproduced that benchmark's ranking (at 32 tokens the prompt's prefill, the same for every method, hides it)
+QUICK_METHODS = ["target", "hf-assisted", "fixed-4", "svip", "specdec++", "pacer"]
+QUICK_NEW_TOKENS = 96
 COMMANDS = ("run", "replay", "merge", "costs", "agreement", "draft-agreement")
 
 
@@ -69,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "row for sampling; outputs are draws, so they are not compared with the target's")
     run.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (with --do-sample)")
     run.add_argument("--seed", type=int, default=0, help="with --do-sample: prompt i's runs start from seed + i")
-    run.add_argument("--quick", action="store_true", help=f"1 prompt per dataset, 32 tokens, methods {QUICK_METHODS}")
+    run.add_argument("--quick", action="store_true",
+                     help=f"1 prompt per dataset, {QUICK_NEW_TOKENS} tokens, methods {QUICK_METHODS}, a one-line verdict")
     run.add_argument("--threads", type=_positive, help="torch CPU threads (default: torch's choice)")
     _add_output(run, "bench-out")
 
@@ -124,9 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def apply_presets(args) -> None:
-    """`--quick`: one prompt per dataset, 32 new tokens, `QUICK_METHODS` unless methods are named."""
+    """`--quick`: one prompt per dataset, `QUICK_NEW_TOKENS` new tokens, `QUICK_METHODS` unless methods are named."""
     if getattr(args, "quick", False):
-        args.n, args.max_new_tokens = 1, 32
+        args.n, args.max_new_tokens = 1, QUICK_NEW_TOKENS
         args.methods = args.methods or QUICK_METHODS
 
 
@@ -150,9 +154,9 @@ def validate(args) -> None:
         raise ValueError("agreement compares a quantized target with its bf16 form: pass --quantize-target int4 "
                          "(or int4+int8)")
     if args.command in ("run", "costs", "agreement", "draft-agreement"):
-        # the names, checked; nothing loads
-        PairArguments(args.pair, args.target, args.draft, args.quantize_draft, args.quantize_target, args.dtype,
-                      args.exact, args.aligned_draft)
+        # the names, checked (nothing loads), and the draft setting that runs: the pair's own unless one is named
+        args.quantize_draft = PairArguments(args.pair, args.target, args.draft, args.quantize_draft, args.quantize_target,
+                                            args.dtype, args.exact, args.aligned_draft).quantize_draft
     if getattr(args, "aligned_draft", None) and not Path(args.aligned_draft).exists() \
             and not re.fullmatch(r"[\w.-]+/[\w.-]+", args.aligned_draft):
         raise ValueError(f"--aligned-draft {args.aligned_draft}: no such folder, and not a Hub repo id (org/name).")
@@ -194,7 +198,7 @@ def _setup(args):
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.head is None and not args.target:
+    if args.head is None and not args.target and not args.draft:  # the pair's head serves the pair's own draft
         args.head = default_head_path(args.pair or DEFAULT_PAIR)
     return _load_head(args.head)
 
@@ -210,7 +214,8 @@ def _load_head(path):
 def _available_methods(args, head, costs=None, announce=False):
     from .methods import all_methods, select_methods
 
-    available = all_methods(tuple(args.gammas), head.config if head is not None else None, costs)
+    available = all_methods(tuple(args.gammas), head.config if head is not None else None, costs,
+                            do_sample=getattr(args, "do_sample", False))
     methods = select_methods(args.methods, available)
     skipped = [m.name for m in methods if m.needs_head and head is None]
     if skipped and announce:
@@ -231,6 +236,8 @@ def _prompts(args, tokenizer):
 def _print_result(result: dict) -> None:
     print(result["table"])
     print("pacer-bench: wrote " + ", ".join(str(path) for path in result["files"]))
+    if "verdict" in result:
+        print("pacer-bench verdict: " + result["verdict"])
 
 
 def run(args) -> dict:
@@ -289,6 +296,15 @@ def run_replay(args) -> dict:
         recorded += [(trace, saved.costs) for trace in saved.traces]
     head = _load_head(args.head)
     methods = [m for m in _available_methods(args, head, announce=True) if m.policy is not None]
+    # a method that may draft past the recorded drafts cannot be replayed on them: skipped, and said so
+    recorded_draft = min(trace.token_probs.shape[1] for trace, _ in recorded) if recorded else 0
+    longer = {m.name: m.make_policy(recorded[0][1]).max_draft_length for m in methods} if recorded else {}
+    too_long = [name for name, length in longer.items() if length > recorded_draft]
+    if too_long:
+        print(f"pacer-bench: skipping {', '.join(f'{n} (up to {longer[n]})' for n in too_long)}: they may draft "
+              f"more tokens than the traces hold ({recorded_draft}); record longer drafts (--trace-max-draft) to "
+              "replay them", file=sys.stderr)
+        methods = [m for m in methods if m.name not in too_long]
     rows = []
     for method in methods + [None]:
         seconds = alone = 0.0

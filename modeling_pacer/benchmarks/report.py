@@ -197,6 +197,36 @@ def write_plots(summary: list[dict], histograms: dict, out: Path) -> list[Path]:
     return paths
 
 
+def verdict(summary: list[dict], out: Path) -> str:
+    """The run in one line: PACER's speedup over the target alone (all prompts), the best other method and its
+    speedup, whether every method returned the target's own output, and where the files are."""
+    rows = {r["method"]: r for r in summary if r["dataset"] == "all" and r["method"] != "oracle (replay)"}
+    target = rows.get("target")
+    others = {name: r for name, r in rows.items() if name not in ("target", "pacer")}
+    parts = []
+    if "pacer" in rows:
+        pacer = rows["pacer"]
+        rate = f" ({pacer['tokens_per_s']:.1f} tokens/s, the target alone {target['tokens_per_s']:.1f})" if target else ""
+        parts.append(f"PACER {pacer['speedup']:.2f}x the target alone{rate}")
+    else:
+        parts.append("PACER not run (no head)")
+    if others:
+        best = max(others.values(), key=lambda r: r["speedup"])
+        ahead = "" if "pacer" not in rows else (" (PACER ahead)" if rows["pacer"]["speedup"] > best["speedup"] else " (ahead of PACER)")
+        parts.append(f"best other: {best['method']} {best['speedup']:.2f}x{ahead}")
+    compared = [r for r in rows.values() if not r.get("own_numerics") and not r.get("sampled")]
+    prompts = target["prompts"] if target else 0
+    if any(r.get("sampled") for r in rows.values()):
+        parts.append("sampled: outputs are draws, not compared")
+    elif all(r["mismatches"] == 0 for r in compared):
+        parts.append(f"every method lossless (the target's own output on all {prompts} prompts)")
+    else:
+        bad = ", ".join(f"{r['method']} ({r['mismatches']}/{r['prompts']})" for r in compared if r["mismatches"])
+        parts.append(f"NOT LOSSLESS: {bad} differ from the target alone")
+    parts.append(f"files in {out}/")
+    return "; ".join(parts)
+
+
 def write_report(out: Path, records: list[dict], oracle_rows: list[dict], meta: dict) -> dict:
     """Write `results.json`, `results.md` and the PNG plots into `out`; return the summary."""
     out.mkdir(parents=True, exist_ok=True)
@@ -210,4 +240,4 @@ def write_report(out: Path, records: list[dict], oracle_rows: list[dict], meta: 
     (out / "results.json").write_text(json.dumps(payload, indent=1, default=str))
     plots = write_plots(summary, histograms, out)
     files = [out / "results.json", out / "results.md", *plots]
-    return dict(summary=summary, table=table, files=files)
+    return dict(summary=summary, table=table, files=files, verdict=verdict(summary, out))
