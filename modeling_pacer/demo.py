@@ -1,7 +1,7 @@
 """The pacer Space: watch PACER decide, side by side with the target alone.
 
-Both generations run in one process, in lockstep: one side computes while the other waits, so each
-side's tokens/s counts only its own compute and neither slows the other down. PACER's text shows how
+The two generations run one after the other (the method first, then the target alone), each streaming as it
+goes, so that each side's tokens/s is what it makes with the machine to itself. PACER's text shows how
 every token came: drafted and accepted, drafted and rejected (struck through), or the target's own.
 
     pacer-demo                                     # the default pair, on localhost
@@ -66,9 +66,11 @@ def load_models(target=None, draft=None, head=None, quantize_draft=None, target_
             progress(fraction, desc=text)
 
     gpu = torch.cuda.is_available()
-    quantize_draft = (not gpu) if quantize_draft is None else quantize_draft
+    # on CPU the pair's own setting (the default pair: bf16 exact target, int4 draft, as benchmarked); pacer's
+    # draft quantizations are CPU kernels, so on a GPU the draft stays as it is
+    quantize_draft = False if gpu and quantize_draft is None else quantize_draft
     kwargs = dict(device_map="auto" if gpu else None, quantize_draft=quantize_draft,
-                  dtype=torch.bfloat16 if gpu else torch.float32)
+                  dtype=torch.bfloat16 if gpu else "auto")
     if target_bits == 8:
         kwargs["load_in_8bit_target"] = True
     elif target_bits == 4:
@@ -78,7 +80,7 @@ def load_models(target=None, draft=None, head=None, quantize_draft=None, target_
     step(0.1, "loading the target and the draft")
     pair = load_pair(target or DEFAULT_PAIR, draft, **kwargs)
     step(0.8, "loading the PACER head")
-    head_path = head or default_head_path(pair.name)
+    head_path = head or (default_head_path(pair.name) if draft is None else None)  # the pair's head fits its draft only
     head_model = PacerHead.from_pretrained(head_path).eval() if head_path else None
     step(1.0, "ready")
     return DemoModels(pair.target, pair.draft, pair.tokenizer, head_model, f"{pair.name} · head: {head_path or 'none'}")
@@ -98,58 +100,34 @@ class ModelHolder:
 
 
 # --------------------------------------------------------------------------------------------------
-# two generations in lockstep
+# two generations, one after the other
 # --------------------------------------------------------------------------------------------------
-class Lockstep:
-    """Lets several threads take turns: one runs, the others wait; each side's clock runs only on its turn."""
-
-    def __init__(self, names: list[str]):
-        self.cond = threading.Condition()
-        self.active = list(names)
-        self.turn = names[0]
-        self.seconds = {n: 0.0 for n in names}
-        self._started = 0.0
-
-    def wait(self, name: str) -> None:
-        with self.cond:
-            self.cond.wait_for(lambda: self.turn == name)
-        self._started = time.perf_counter()
-
-    def _hand_over(self, name: str) -> None:
-        self.seconds[name] += time.perf_counter() - self._started
-        with self.cond:
-            if self.active:
-                i = self.active.index(name) if name in self.active else -1
-                self.turn = self.active[(i + 1) % len(self.active)]
-            self.cond.notify_all()
-
-    def yield_turn(self, name: str) -> None:
-        self._hand_over(name)
-        self.wait(name)
-
-    def finish(self, name: str) -> None:
-        with self.cond:
-            self.active.remove(name)
-        self._hand_over(name)
-
-
 @dataclass
 class Side:
-    """What one side has produced so far, for rendering."""
+    """What one side has produced so far, for rendering, and the wall-clock time of its own generation."""
 
     name: str
     segments: list[tuple[list[int], str]] = field(default_factory=list)  # (tokens, kind)
     steps: list[dict] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
+    started: float | None = None
+    finished: float | None = None
     done: bool = False
     error: str | None = None
 
+    @property
+    def seconds(self) -> float:
+        """Its own generation's time so far (0 before it starts)."""
+        if self.started is None:
+            return 0.0
+        return (self.finished or time.perf_counter()) - self.started
+
 
 class _Streamer(BaseStreamer):
-    """Receives emitted tokens; hands the turn over after each chunk."""
+    """Receives emitted tokens and files them under the side (with the step that made them, for PACER)."""
 
-    def __init__(self, side: Side, lockstep: Lockstep, pending: list):
-        self.side, self.lockstep, self.pending, self.prompt_seen = side, lockstep, pending, False
+    def __init__(self, side: Side, pending: list):
+        self.side, self.pending, self.prompt_seen = side, pending, False
 
     def put(self, value):
         if not self.prompt_seen:  # transformers and pacer both put the prompt first
@@ -165,31 +143,32 @@ class _Streamer(BaseStreamer):
             self.side.steps.append(dict(accepted=min(accepted, len(emitted)), rejected=len(drafted) - accepted, reason=reason))
         else:
             self.side.segments.append((emitted, "plain"))
-        self.lockstep.yield_turn(self.side.name)
 
     def end(self):
         pass
 
 
-def _run(side: Side, lockstep: Lockstep, fn) -> None:
-    lockstep.wait(side.name)
+def _run(side: Side, fn) -> None:
+    side.started = time.perf_counter()
     try:
         fn()
     except Exception as error:  # shown on the page rather than lost in a thread
         side.error = f"{type(error).__name__}: {error}"
     finally:
+        side.finished = time.perf_counter()
         side.done = True
-        lockstep.finish(side.name)
 
 
-def start_comparison(models: DemoModels, input_ids, method: str, gamma: int, settings: dict):
-    """Start the target alone and `method` in lockstep threads; returns `(sides, lockstep)`."""
-    names = ["target"] if method == "target alone" else ["target", "method"]
-    lockstep = Lockstep(names)
+def start_comparison(models: DemoModels, input_ids, method: str, gamma: int, settings: dict) -> dict[str, Side]:
+    """Run `method`, then the target alone, in one background thread; returns the sides, filled as they stream.
+
+    One after the other, never at once: on a CPU two generations share the same cores and memory bandwidth, so
+    side by side each would run at a fraction of its speed; in turn, each side's tokens/s is what it makes alone."""
+    names = ["target"] if method == "target alone" else ["method", "target"]
     sides = {n: Side(n) for n in names}
 
     def target_alone():
-        GenerationMixin.generate(models.target, input_ids, streamer=_Streamer(sides["target"], lockstep, []), **settings)
+        GenerationMixin.generate(models.target, input_ids, streamer=_Streamer(sides["target"], []), **settings)
 
     def speculative():
         pending: list = []
@@ -199,15 +178,17 @@ def start_comparison(models: DemoModels, input_ids, method: str, gamma: int, set
 
         policy = FixedLength(gamma) if method == "fixed γ" else None
         pacer_generate(models.target, input_ids, assistant_model=models.draft, pacer_head=models.head if policy is None else None,
-                       stopping_policy=policy, streamer=_Streamer(sides["method"], lockstep, pending),
+                       stopping_policy=policy, streamer=_Streamer(sides["method"], pending),
                        pacer_step_callback=on_step, **settings)
 
-    threads = [threading.Thread(target=_run, args=(sides["target"], lockstep, target_alone), daemon=True)]
-    if "method" in sides:
-        threads.append(threading.Thread(target=_run, args=(sides["method"], lockstep, speculative), daemon=True))
-    for t in threads:
-        t.start()
-    return sides, lockstep
+    runs = {"target": target_alone, "method": speculative}
+
+    def both():
+        for name in names:
+            _run(sides[name], runs[name])
+
+    threading.Thread(target=both, daemon=True).start()
+    return sides
 
 
 # --------------------------------------------------------------------------------------------------
@@ -227,8 +208,10 @@ def render_side(side: Side, tokenizer) -> str:
 
 
 def side_stats(side: Side, seconds: float, reference_rate: float | None) -> str:
+    if side.started is None:
+        return "waiting: the two run one after the other, so that each runs at its own speed"
     rate = len(side.tokens) / seconds if seconds > 0 else 0.0
-    text = f"**{len(side.tokens)} tokens · {rate:.1f} tokens/s**"
+    text = f"**{len(side.tokens)} tokens · {rate:.1f} tokens/s**" + ("" if side.done else " (generating)")
     if reference_rate:
         text += f" · **{rate / reference_rate:.2f}x** the target alone"
     if side.steps:
@@ -274,16 +257,17 @@ def build_demo(holder: ModelHolder, refresh_seconds: float = 0.25) -> gr.Blocks:
         settings = dict(max_new_tokens=int(max_new_tokens), do_sample=do_sample)
         if do_sample:
             settings.update(temperature=float(temperature), top_k=0, top_p=1.0)
-        sides, lockstep = start_comparison(models, input_ids, method, int(gamma), settings)
+        sides = start_comparison(models, input_ids, method, int(gamma), settings)
         while True:
             finished = all(s.done for s in sides.values())
-            reference = len(sides["target"].tokens) / lockstep.seconds["target"] if lockstep.seconds["target"] else None
-            method_side = sides.get("method")
+            target_side, method_side = sides["target"], sides.get("method")
+            # the method's speedup once the target alone has finished (its rate before then is a partial one)
+            reference = len(target_side.tokens) / target_side.seconds if target_side.done and target_side.seconds else None
             yield (
-                render_side(sides["target"], models.tokenizer),
-                side_stats(sides["target"], lockstep.seconds["target"], None),
+                render_side(target_side, models.tokenizer),
+                side_stats(target_side, target_side.seconds, None),
                 render_side(method_side, models.tokenizer) if method_side else "",
-                side_stats(method_side, lockstep.seconds["method"], reference) if method_side else "",
+                side_stats(method_side, method_side.seconds, reference) if method_side else "",
                 steps_frame(method_side),
                 verdict(sides, do_sample),
             )
@@ -294,7 +278,8 @@ def build_demo(holder: ModelHolder, refresh_seconds: float = 0.25) -> gr.Blocks:
     with gr.Blocks(title="PACER: speculative decoding with adaptive draft length") as demo:
         gr.Markdown("# PACER: watch speculative decoding decide\nA small draft model proposes tokens block by block; "
                     "a trained head stops drafting when the block is unlikely to be accepted; the target checks the whole "
-                    "draft in one forward. Left: the target alone. Right: the method you choose. " + LEGEND)
+                    "draft in one forward. Left: the target alone. Right: the method you choose; it runs first, then the target "
+                    "alone, so that neither slows the other down. " + LEGEND)
         with gr.Row():
             with gr.Column(scale=3):
                 prompt = gr.Textbox(label="Prompt", lines=3, value=EXAMPLES["code"])
