@@ -5,7 +5,7 @@ accept/resample rule), so the share of each next token over many draws matches t
 
 On tiny random models built here: draws the first new token 400 times with PACER and compares how often each
 token came with the target's probability of it. With a trained head whose config names a rule for sampling
-(`sampling_stopping_rule`, e.g. the default head's block rule), `generate` follows it when `do_sample=True`.
+(`sampling_stopping_rule`), `generate` follows it when `do_sample=True`.
 """
 
 from collections import Counter

@@ -428,5 +428,5 @@ def test_the_default_pair_runs_its_best_measured_setting():
     head = default_head_path(DEFAULT_PAIR)
     config = PacerConfig.from_pretrained(head)
     assert head.name == spec.head and config.draft_quantization == spec.quantize_draft
-    assert (config.stopping_rule, config.throughput_estimate, config.sampling_stopping_rule) == ("throughput", "draft", "blocks")
+    assert (config.stopping_rule, config.throughput_estimate, config.sampling_stopping_rule) == ("throughput", "draft", None)
     assert default_head_path("no/such-pair") is None

@@ -159,7 +159,7 @@ register_pair(
         description="Qwen2.5-Coder-1.5B-Instruct (GGUF Q4_K_M) / Qwen2.5-Coder-0.5B-Instruct (GGUF), "
         "dequantized (the draft then int4); offline from PyPI",
         quantize_draft="int4",  # the draft setting of the fastest committed run (and the one its head was trained on)
-        head="qwen2.5-coder-1.5b-0.5b-int4-soft",  # greedy: the draft's probability; sampling: the head's block rule
+        head="qwen2.5-coder-1.5b-0.5b-int4-soft",  # its default rule, greedy and sampled: the draft's probability
     )
 )
 
