@@ -59,7 +59,7 @@ def load_models(target=None, draft=None, head=None, quantize_draft=None, target_
     """The pair (default: the embedded Qwen2.5-Coder 1.5B/0.5B) and a head (default: the one trained for
     that pair, when it is in the repo). On a GPU the models go there; `target_bits` 8 or 4 loads the
     target with bitsandbytes."""
-    from modeling_pacer.pairs import DEFAULT_PAIR, default_head_path, load_pair
+    from modeling_pacer.pairs import DEFAULT_PAIR, default_head_path, load_pair, resolve_pair
 
     def step(fraction, text):
         if progress is not None:
@@ -80,7 +80,7 @@ def load_models(target=None, draft=None, head=None, quantize_draft=None, target_
     step(0.1, "loading the target and the draft")
     pair = load_pair(target or DEFAULT_PAIR, draft, **kwargs)
     step(0.8, "loading the PACER head")
-    head_path = head or (default_head_path(pair.name) if draft is None else None)  # the pair's head fits its draft only
+    head_path = head or default_head_path(resolve_pair(target or DEFAULT_PAIR, draft))  # none for another draft
     head_model = PacerHead.from_pretrained(head_path).eval() if head_path else None
     step(1.0, "ready")
     return DemoModels(pair.target, pair.draft, pair.tokenizer, head_model, f"{pair.name} · head: {head_path or 'none'}")
@@ -207,9 +207,10 @@ def render_side(side: Side, tokenizer) -> str:
     return f'<div class="pacer-text">{body}</div>'
 
 
-def side_stats(side: Side, seconds: float, reference_rate: float | None) -> str:
+def side_stats(side: Side, reference_rate: float | None) -> str:
     if side.started is None:
         return "waiting: the two run one after the other, so that each runs at its own speed"
+    seconds = side.seconds
     rate = len(side.tokens) / seconds if seconds > 0 else 0.0
     text = f"**{len(side.tokens)} tokens · {rate:.1f} tokens/s**" + ("" if side.done else " (generating)")
     if reference_rate:
@@ -265,9 +266,9 @@ def build_demo(holder: ModelHolder, refresh_seconds: float = 0.25) -> gr.Blocks:
             reference = len(target_side.tokens) / target_side.seconds if target_side.done and target_side.seconds else None
             yield (
                 render_side(target_side, models.tokenizer),
-                side_stats(target_side, target_side.seconds, None),
+                side_stats(target_side, None),
                 render_side(method_side, models.tokenizer) if method_side else "",
-                side_stats(method_side, method_side.seconds, reference) if method_side else "",
+                side_stats(method_side, reference) if method_side else "",
                 steps_frame(method_side),
                 verdict(sides, do_sample),
             )

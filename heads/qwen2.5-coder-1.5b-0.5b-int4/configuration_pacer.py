@@ -158,10 +158,16 @@ class PacerConfig(PreTrainedConfig):
             raise ValueError(
                 f"PacerConfig.sampling_stopping_rule must be None, 'blocks' or 'throughput', got {self.sampling_stopping_rule!r}."
             )
-        for name in ("throughput_estimate", "sampling_throughput_estimate"):
-            value = getattr(self, name)
-            if value not in ("head", "both", "draft") and not (name.startswith("sampling") and value is None):
-                raise ValueError(f"PacerConfig.{name} must be 'head', 'both' or 'draft', got {value!r}.")
+        estimates = ("head", "both", "draft")
+        if self.throughput_estimate not in estimates:
+            raise ValueError(
+                f"PacerConfig.throughput_estimate must be 'head', 'both' or 'draft', got {self.throughput_estimate!r}."
+            )
+        if self.sampling_throughput_estimate not in (None, *estimates):
+            raise ValueError(
+                f"PacerConfig.sampling_throughput_estimate must be 'head', 'both' or 'draft' (or None: the greedy one), "
+                f"got {self.sampling_throughput_estimate!r}."
+            )
         if self.draft_quantization not in (None, *DRAFT_SETTINGS):
             raise ValueError(
                 f"PacerConfig.draft_quantization must be None or one of {DRAFT_SETTINGS}, got {self.draft_quantization!r}."

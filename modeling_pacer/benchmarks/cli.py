@@ -194,12 +194,12 @@ def validate(args) -> None:
 
 def _setup(args):
     """`run`'s and `costs`' common start: torch's thread count, and the head (the pair's own by default)."""
-    from modeling_pacer.pairs import DEFAULT_PAIR, default_head_path
+    from modeling_pacer.pairs import DEFAULT_PAIR, default_head_path, resolve_pair
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.head is None and not args.target and not args.draft:  # the pair's head serves the pair's own draft
-        args.head = default_head_path(args.pair or DEFAULT_PAIR)
+    if args.head is None:  # the pair's own head (none once --draft replaces the pair's draft, or for another target)
+        args.head = default_head_path(resolve_pair(args.target or args.pair or DEFAULT_PAIR, args.draft))
     return _load_head(args.head)
 
 

@@ -424,10 +424,10 @@ def draft_setting(draft_model) -> str:
     """`"int4"` (pacer's int4 weight layers), `"dynamic-int8"` (torch's dynamic int8 Linear) or `"none"`: the draft
     setting a head's `draft_quantization` names. Read from the layers' classes by name, since this file also runs
     as Hub remote code without pacer installed."""
-    kinds = {type(m).__name__ for m in draft_model.modules()}
-    if "Int4Linear" in kinds:
+    classes = {type(m) for m in draft_model.modules()}
+    if any(cls.__name__ == "Int4Linear" for cls in classes):
         return "int4"
-    if any(type(m).__module__.startswith("torch.ao.nn.quantized.dynamic") for m in draft_model.modules()):
+    if any(cls.__module__.startswith("torch.ao.nn.quantized.dynamic") for cls in classes):
         return "dynamic-int8"
     return "none"
 
@@ -459,9 +459,10 @@ def _check_inputs(model, draft_model, head, policy, input_ids, generation_config
             f"hidden size is {draft_model.config.get_text_config().hidden_size}: use a head trained for this draft."
         )
     trained_on = getattr(head.config, "draft_quantization", None) if head is not None else None
-    if trained_on is not None and trained_on != draft_setting(draft_model):
+    given = draft_setting(draft_model) if trained_on is not None else None
+    if trained_on != given:
         raise ValueError(
-            f"This PACER head was trained on the {trained_on!r} draft, but the draft given is {draft_setting(draft_model)!r}: "
+            f"This PACER head was trained on the {trained_on!r} draft, but the draft given is {given!r}: "
             f"its hidden states and probabilities differ. Load the draft as the head expects "
             f"({_DRAFT_FLAGS[trained_on]}), or use a head trained for this draft."
         )

@@ -35,7 +35,6 @@ class LoadedPair:
     exact: bool = False  # the target's verification is bitwise row-invariant (`make_exact`)
     quantize_target: str | None = None  # the target's weight-only quantization (TARGET_QUANTIZATIONS), if any
     aligned_draft: str | None = None  # the LoRA adapter merged into the draft (`load_pair(aligned_draft=...)`), if any
-    quantize_draft: str | None = None  # the draft's quantization (DRAFT_QUANTIZATIONS), if any
 
     @property
     def setting(self) -> str:
@@ -252,7 +251,7 @@ def load_pair(
     tokenizer = load_tokenizer(spec.target, pacer_cache, pair_name=spec.name)
     seconds["tokenizer"] = time.perf_counter() - t0
     return LoadedPair(target, draft_model, tokenizer, spec.name, spec.target, spec.draft, seconds, dtype, exact,
-                      quantize_target, None if aligned_draft is None else str(aligned_draft), quantize_draft)
+                      quantize_target, None if aligned_draft is None else str(aligned_draft))
 
 
 def default_draft_dtype(quantize_draft: str | None, dtype: torch.dtype | str) -> torch.dtype | str:

@@ -167,12 +167,13 @@ register_pair(
 # --------------------------------------------------------------------------------------------------
 # cache locations
 # --------------------------------------------------------------------------------------------------
-def default_head_path(pair_name: str) -> Path | str | None:
-    """The head a registered pair names (`PairSpec.head`): its folder under pacer's `heads/` when pacer ships it,
-    else the name as given (a Hub repo id); None for a pair that names none (or an unregistered one)."""
+def default_head_path(pair: "str | PairSpec") -> Path | str | None:
+    """The head a pair names (`PairSpec.head`; `pair` a registered name or a spec, e.g. `resolve_pair`'s, which
+    names none once the draft is replaced): its folder under pacer's `heads/` when pacer ships it, else the name as
+    given (a Hub repo id); None for a pair that names none (or an unregistered name)."""
     from ..resources import data_folder
 
-    spec = PAIRS.get(pair_name)
+    spec = pair if isinstance(pair, PairSpec) else PAIRS.get(pair)
     if spec is None or spec.head is None:
         return None
     folder = data_folder("heads") / spec.head

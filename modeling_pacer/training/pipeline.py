@@ -383,10 +383,9 @@ def train(args: RunArguments, pair, prompts: list[tuple[str, torch.Tensor]], dat
     rule, estimate, calibration = max(defaults, key=defaults.get)  # ties: the first, the paper's rule
     head.config.stopping_rule, head.config.throughput_estimate, head.config.calibration = rule, estimate, calibration
     head.config.draft_nothing = calibration is not None  # as the calibrated variants were replayed (the raw one without)
-    # sampled decoding runs the same rule: a rule for it (`sampling_stopping_rule`) is set by hand after a sampled
-    # benchmark, since replay follows the target's greedy output (on the default pair's 30 prompts the soft head's
-    # block rule was not ahead of the draft's probability: benchmarks/results/2026-12-02-sampling-n10-t1.0)
-    head.config.sampling_stopping_rule = None
+    # `sampling_stopping_rule` stays unset (sampling runs the rule chosen here): replay follows the target's greedy
+    # output, so a rule for sampling is set by hand after a sampled benchmark (on the default pair's 30 prompts the
+    # soft head's block rule was not ahead of the draft's probability: benchmarks/results/2026-12-02-sampling-n10-t1.0)
     head.config.draft_quantization = draft_setting(pair.draft)  # read from the draft that ran, not from a flag
     predictors = first_token_predictors(head, eval_traces)
     for name, variant in variants.items():
