@@ -86,7 +86,7 @@ def _probe_inputs(size: int, in_features: int, dtype: torch.dtype, generator) ->
 def probe_layer(module: torch.nn.Module, pairs: torch.Tensor, generator) -> torch.nn.Module:
     """A layer of `module`'s class, shape and dtype, with random weights whose columns `pairs[1]` are the
     negatives of columns `pairs[0]` (exactly, in the layer's own number format)."""
-    from .quantization import Int4Linear, Int8Linear
+    from .quantization import Int4Linear, Int8Linear, W4A8Linear, W8A8Linear
 
     out_features, in_features = module.out_features, module.in_features
     has_bias = getattr(module, "bias", None) is not None
@@ -102,6 +102,15 @@ def probe_layer(module: torch.nn.Module, pairs: torch.Tensor, generator) -> torc
         codes[:, pairs[1]] = -codes[:, pairs[0]]
         scales = torch.rand(out_features, generator=generator) / 64 + 1 / 1024
         return Int8Linear(codes, scales, torch.zeros(out_features) if has_bias else None)
+    if type(module) in (W4A8Linear, W8A8Linear):  # from a random float layer, in the layer's own format
+        dense = torch.nn.Linear(in_features, out_features, bias=has_bias)
+        with torch.no_grad():
+            weight = torch.randn(out_features, in_features, generator=generator) / in_features**0.5
+            weight[:, pairs[1]] = -weight[:, pairs[0]]
+            dense.weight.copy_(weight)
+            if has_bias:
+                dense.bias.zero_()
+        return type(module).from_linear(dense)
     layer = type(module)(in_features, out_features, bias=has_bias, dtype=module.weight.dtype)  # nn.Linear or a subclass
     with torch.no_grad():
         weight = (torch.randn(out_features, in_features, generator=generator) / in_features**0.5).to(layer.weight.dtype)
@@ -125,6 +134,11 @@ def row_runs(module: torch.nn.Module, max_rows: int = PROBE_ROWS, seed: int = 0)
     g = torch.Generator().manual_seed(seed)
     size = max(max_rows, min(PROBE_POOL, -(-PROBE_VALUES // module.out_features)))
     pool, pairs = _probe_inputs(size, module.in_features, _input_dtype(module), g)
+    if getattr(module, "int8_activations", False):
+        # a call's rows are quantized to int8 block by block: large cancelling inputs would round every other
+        # input to 0 and the integer sums are exact anyway; plain random rows show any change in how the
+        # blocks' float terms are combined
+        pool = torch.randn(size, module.in_features, generator=g).to(torch.bfloat16)
     forward = _plain_forward(probe_layer(module, pairs, g))
     runs, start, previous = [], 1, None
     with torch.no_grad():
@@ -268,12 +282,12 @@ def _row_invariant_forward(self, x: torch.Tensor) -> torch.Tensor:
 
 
 def exact_kind(module: torch.nn.Module) -> bool:
-    """A layer `exact_linears` handles: torch's `nn.Linear` and pacer's packed int4/int8 layers, whose rows
-    are independent of each other (torch's dynamic-int8 Linear is not: it scales a call's activations by
-    the call's own range)."""
-    from .quantization import Int4Linear, Int8Linear
+    """A layer `exact_linears` handles: torch's `nn.Linear` and pacer's packed int4/int8/W4A8/W8A8 layers, whose
+    rows are independent of each other (torch's dynamic-int8 Linear is not: it scales a call's activations by
+    the call's own range; pacer's W4A8 scales each row by its own)."""
+    from .quantization import Int4Linear, Int8Linear, W4A8Linear, W8A8Linear
 
-    return type(module) in (torch.nn.Linear, Int4Linear, Int8Linear)
+    return type(module) in (torch.nn.Linear, Int4Linear, Int8Linear, W4A8Linear, W8A8Linear)
 
 
 def exact_linears(model: torch.nn.Module, rows: RowRange | tuple[int, int] | None = None) -> torch.nn.Module:

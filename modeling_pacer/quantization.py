@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 GROUP_SIZE = 32  # Q4_K's sub-block: 32 input weights share a scale and a minimum
+SUPER_BLOCK = 256  # Q4_K's super-block (one float16 d and dmin), and the W4A8/W8A8 activations' scale block
 OUT_MULTIPLE = 16  # the int4 kernel's packing takes output sizes divisible by 16
 # the kernel's choices for the leftover tensors; "bfloat16" keeps them as loaded
 OTHER_CHOICES = ("int8", "int4", "bfloat16")
@@ -127,13 +128,123 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+class W4A8Linear(nn.Module):
+    """`y = x W^T + b` over a Q4_K weight kept exactly as the GGUF file stores it (`W = d * sc * q - dmin * m`,
+    q in 0..15 in groups of 32, d and dmin per 256), with the activations quantized to int8 per row in blocks of
+    32 (llama.cpp's Q8_0), multiplied by pacer's VNNI kernel ([`modeling_pacer.kernels`]): integer sums,
+    each weight tile unpacked once for all the rows of a call, so a verification block of up to about 8 rows
+    costs about one single-token step, and each row's result depends on that row alone."""
+
+    int8_activations = True  # each call's rows are quantized to int8 (row by row: rows stay independent)
+
+    def __init__(self, codes: torch.Tensor, sc: torch.Tensor, m: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor,
+                 bias: torch.Tensor | None = None):
+        super().__init__()
+        from . import kernels
+
+        out_features, in_features = codes.shape
+        groups, blocks = in_features // GROUP_SIZE, in_features // SUPER_BLOCK
+        if in_features % SUPER_BLOCK or out_features % 16 or sc.shape != (out_features, groups) or \
+                m.shape != sc.shape or d.shape != (out_features, blocks) or dmin.shape != d.shape:
+            raise ValueError(
+                f"W4A8Linear: codes {tuple(codes.shape)} need in_features divisible by {SUPER_BLOCK}, out_features by "
+                f"16, sc/m of shape {(out_features, groups)} and d/dmin of shape {(out_features, blocks)}; got "
+                f"{tuple(sc.shape)}/{tuple(m.shape)}/{tuple(d.shape)}/{tuple(dmin.shape)}")
+        if int(codes.min()) < 0 or int(codes.max()) > 15 or int(sc.max()) > 63 or int(m.max()) > 63 or \
+                int(sc.min()) < 0 or int(m.min()) < 0:
+            raise ValueError("W4A8Linear: codes must lie in 0..15 and sc, m in 0..63")
+        self.in_features, self.out_features = in_features, out_features
+        packed, sc_t, m_t, dd = kernels.pack_q4k(codes, sc, m, d, dmin)
+        self.register_buffer("packed_weight", packed)
+        self.register_buffer("sub_scales", sc_t)
+        self.register_buffer("sub_minimums", m_t)
+        self.register_buffer("super_scales", dd)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> W4A8Linear:
+        """Q4_K-style 4-bit of a float layer's weight: per group of 32 a min-max scale and minimum, both as 6-bit
+        multiples of the super-block's float16 d and dmin (a simpler search than llama.cpp's make_qkx2)."""
+        w = linear.weight.detach().float()
+        n, k = w.shape
+        g = w.reshape(n, k // GROUP_SIZE, GROUP_SIZE)
+        lo = g.amin(-1).clamp(max=0)  # Q4_K subtracts a non-negative minimum: w = s q - mn, mn = -lo >= 0
+        scale = (g.amax(-1) - lo) / 15
+        per_block = SUPER_BLOCK // GROUP_SIZE
+        tiny = torch.finfo(torch.float16).tiny
+        d = (scale.reshape(n, -1, per_block).amax(-1) / 63).clamp_min(tiny).half().float()
+        dmin = ((-lo).reshape(n, -1, per_block).amax(-1) / 63).clamp_min(tiny).half().float()
+        sc = torch.round(scale / d.repeat_interleave(per_block, 1)).clamp(1, 63)
+        mn = torch.round(-lo / dmin.repeat_interleave(per_block, 1)).clamp(0, 63)
+        s = (d.repeat_interleave(per_block, 1) * sc)[..., None]
+        off = (dmin.repeat_interleave(per_block, 1) * mn)[..., None]
+        codes = torch.round((g + off) / s).clamp(0, 15).reshape(n, k)
+        return cls(codes, sc, mn, d, dmin, linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from . import kernels
+
+        rows = kernels.QuantizedRows(x.reshape(-1, self.in_features))
+        dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32  # the bias is added in float32 either way
+        out = kernels.q4k_matmul(rows, self.packed_weight, self.sub_scales, self.sub_minimums, self.super_scales,
+                                 self.out_features, self.bias, dtype)
+        return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class W8A8Linear(nn.Module):
+    """`y = x W^T + b` with `W[n] = codes[n] * scales[n]` (int8, one scale per output row) and int8 activations
+    per row in blocks of 32, on pacer's VNNI kernel: the W4A8 target's layers that have no 4-bit grid in the
+    file (Q6_K tensors, the LM head)."""
+
+    int8_activations = True
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        from . import kernels
+
+        self.out_features, self.in_features = codes.shape
+        if self.in_features % SUPER_BLOCK or self.out_features % 16:
+            raise ValueError(f"W8A8Linear: codes {tuple(codes.shape)} need in_features divisible by {SUPER_BLOCK} "
+                             "and out_features by 16")
+        packed, scale = kernels.pack_q8(codes, scales)
+        self.register_buffer("packed_weight", packed)
+        self.register_buffer("scales", scale)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> W8A8Linear:
+        """Symmetric int8 with one float32 scale per output row: `scale = max |w| / 127`."""
+        w = linear.weight.detach().float()
+        scales = (w.abs().amax(-1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+        return cls(torch.round(w / scales[:, None]).clamp_(-127, 127), scales, linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from . import kernels
+
+        rows = kernels.QuantizedRows(x.reshape(-1, self.in_features))
+        dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
+        out = kernels.q8_matmul(rows, self.packed_weight, self.scales, self.out_features, self.bias, dtype)
+        return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def w4a8_shape_ok(linear: nn.Linear) -> bool:
+    """The VNNI kernels take this layer's shape (in_features divisible by 256, out_features by 16)."""
+    return linear.in_features % SUPER_BLOCK == 0 and linear.out_features % 16 == 0
+
+
 # --------------------------------------------------------------------------------------------------
 # GGUF Q4_K -> the kernel's grid
 # --------------------------------------------------------------------------------------------------
-def q4_k_grid(blocks, out_features: int, in_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A Q4_K tensor's raw bytes (`GGUFReader` tensor data, 144 bytes per 256 weights) -> `(codes, scales,
-    zeros)` of shapes (out, in), (out, in / 32), (out, in / 32) with `w = (codes - 8) * scales + zeros`,
-    scales and zeros in float32 (exact products of the float16 and 6-bit factors)."""
+def q4_k_parts(blocks, out_features: int, in_features: int) -> tuple[torch.Tensor, ...]:
+    """A Q4_K tensor's raw bytes (`GGUFReader` tensor data, 144 bytes per 256 weights) -> its parts
+    `(codes, sc, m, d, dmin)`: codes (out, in) in 0..15, sc and m (out, in / 32) 6-bit integers, d and dmin
+    (out, in / 256) float32 (the file's float16 values), with `w = d * sc * codes - dmin * m`."""
     import numpy as np
     from gguf.quants import Q4_K
 
@@ -147,10 +258,26 @@ def q4_k_grid(blocks, out_features: int, in_features: int) -> tuple[torch.Tensor
     qs = raw[:, 16:]  # (n, 128): 4 chunks of 32 bytes; low nibbles -> sub-block 2j, high -> 2j+1
     nibbles = qs.reshape(n_blocks, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
     codes = (nibbles & 0x0F).reshape(out_features, in_features)
-    scales = (d * sc.astype(np.float32)).reshape(out_features, in_features // GROUP_SIZE)
-    minimums = (dmin * m.astype(np.float32)).reshape(out_features, in_features // GROUP_SIZE)
-    scales_t = torch.from_numpy(scales)
-    return torch.from_numpy(codes.astype(np.uint8)), scales_t, 8 * scales_t - torch.from_numpy(minimums)
+    groups, blocks_per_row = in_features // GROUP_SIZE, in_features // 256
+    return (torch.from_numpy(codes.astype(np.uint8)),
+            torch.from_numpy(sc.astype(np.uint8).reshape(out_features, groups)),
+            torch.from_numpy(m.astype(np.uint8).reshape(out_features, groups)),
+            torch.from_numpy(d.reshape(out_features, blocks_per_row)),
+            torch.from_numpy(dmin.reshape(out_features, blocks_per_row)))
+
+
+def q4_k_grid(blocks, out_features: int, in_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q4_K tensor's raw bytes -> `(codes, scales, zeros)` of shapes (out, in), (out, in / 32), (out, in / 32)
+    with `w = (codes - 8) * scales + zeros`, scales and zeros in float32 (exact products of the float16 and
+    6-bit factors)."""
+    return _grid(*q4_k_parts(blocks, out_features, in_features))
+
+
+def _grid(codes, sc, m, d, dmin):
+    per_block = SUPER_BLOCK // GROUP_SIZE
+    scales = d.repeat_interleave(per_block, 1) * sc.float()
+    minimums = dmin.repeat_interleave(per_block, 1) * m.float()
+    return codes, scales, 8 * scales - minimums
 
 
 def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -163,27 +290,34 @@ def int4_shape_ok(linear: nn.Linear) -> bool:
     return linear.in_features % GROUP_SIZE == 0 and linear.out_features % OUT_MULTIPLE == 0
 
 
+LINEAR_KINDS = {"int4": Int4Linear, "int8": Int8Linear, "w4a8": W4A8Linear, "w8a8": W8A8Linear}
+
+
 def quantize_linears(model: nn.Module, kind: str = "int4") -> nn.Module:
-    """Every `nn.Linear` of `model` becomes an [`Int4Linear`] (min-max, groups of 32; layers of shapes the
-    kernel does not take are left as they are) or an [`Int8Linear`] (`kind="int8"`), in place. Returns the
+    """Every `nn.Linear` of `model` becomes a layer of `kind` (LINEAR_KINDS), in place: "int4" [`Int4Linear`]
+    (min-max, groups of 32), "int8" [`Int8Linear`], "w4a8" [`W4A8Linear`] or "w8a8" [`W8A8Linear`] (the VNNI
+    kernels: int8 activations). Layers of shapes the kernel does not take are left as they are. Returns the
     model. Used for the draft, whose numerics change speed, never the output, and for the layers of a GGUF
     target that have no 4-bit grid of their own."""
-    if kind not in ("int4", "int8"):
-        raise ValueError(f"kind must be 'int4' or 'int8', got {kind!r}")
+    if kind not in LINEAR_KINDS:
+        raise ValueError(f"kind must be one of {sorted(LINEAR_KINDS)}, got {kind!r}")
+    shape_ok = {"int4": int4_shape_ok, "int8": lambda _: True}.get(kind, w4a8_shape_ok)
     for name, module in list(model.named_modules()):
-        if type(module) is nn.Linear and (kind == "int8" or int4_shape_ok(module)):
-            new = Int4Linear.from_linear(module) if kind == "int4" else Int8Linear.from_linear(module)
-            _replace(model, name, new)
+        if type(module) is nn.Linear and shape_ok(module):
+            _replace(model, name, LINEAR_KINDS[kind].from_linear(module))
     return model
 
 
 def quantize_from_gguf(model: nn.Module, gguf_file: str | os.PathLike, *, other: str = "int8",
-                       check: bool = True) -> dict[str, int]:
+                       check: bool = True, activations: str = "bfloat16") -> dict[str, int]:
     """Replace `model`'s linear layers, in place, with weight-only layers built from the GGUF it was loaded from.
 
-    Q4_K tensors keep their 4-bit codes ([`Int4Linear`], scales rounded to bf16); every other linear layer
-    (Q6_K, Q5_0, Q8_0 or float tensors, and the LM head) becomes `other`: "int8" ([`Int8Linear`], one scale
-    per row), "int4" (min-max groups of 32) or "bfloat16" (kept as loaded). Embeddings and norms are kept.
+    With `activations="bfloat16"` (torch's kernels): Q4_K tensors keep their 4-bit codes ([`Int4Linear`],
+    scales rounded to bf16); every other linear layer (Q6_K, Q5_0, Q8_0 or float tensors, and the LM head)
+    becomes `other`: "int8" ([`Int8Linear`], one scale per row), "int4" (min-max groups of 32) or "bfloat16"
+    (kept as loaded). With `activations="int8"` (pacer's VNNI kernels, [`modeling_pacer.kernels`]): Q4_K
+    tensors become [`W4A8Linear`] (the file's grid exactly, float16 scales included) and `other` "int8" or
+    "int4" becomes [`W8A8Linear`] or W4A8Linear's own min-max form. Embeddings and norms are kept.
     With `check`, each Q4_K layer's weight is compared with the model's loaded weight (transformers'
     dequantization of the same tensor) and a mismatch (a tensor the loader permutes, another file) is an
     error, never a silently different model.
@@ -195,6 +329,14 @@ def quantize_from_gguf(model: nn.Module, gguf_file: str | os.PathLike, *, other:
 
     if other not in OTHER_CHOICES:
         raise ValueError(f"other must be one of {OTHER_CHOICES}, got {other!r}")
+    if activations not in ("bfloat16", "int8"):
+        raise ValueError(f"activations must be 'bfloat16' or 'int8', got {activations!r}")
+    if activations == "int8":
+        from . import kernels
+
+        if not kernels.available():
+            raise RuntimeError(f"int8 activations need pacer's VNNI kernels: {kernels.unavailable_reason()}")
+    int8 = activations == "int8"
     reader = GGUFReader(str(gguf_file))
     gguf_to_hf = get_gguf_hf_weights_map(model, TensorProcessor())
     counts: dict[str, int] = {}
@@ -204,9 +346,10 @@ def quantize_from_gguf(model: nn.Module, gguf_file: str | os.PathLike, *, other:
             continue
         name = hf_name.removesuffix(".weight")
         linear = model.get_submodule(name)
-        if type(linear) is not nn.Linear or not int4_shape_ok(linear):
+        if type(linear) is not nn.Linear or not (w4a8_shape_ok if int8 else int4_shape_ok)(linear):
             continue  # the token embedding (a lookup reads one row: nothing to gain), or a shape the kernel refuses
-        codes, scales, zeros = q4_k_grid(tensor.data, linear.out_features, linear.in_features)
+        parts = q4_k_parts(tensor.data, linear.out_features, linear.in_features)
+        codes, scales, zeros = _grid(*parts)
         if check:
             # every 64th row (a permutation of rows or a wrong tensor shows on any of them; all rows cost seconds)
             rows = slice(None, None, 64)
@@ -220,14 +363,19 @@ def quantize_from_gguf(model: nn.Module, gguf_file: str | os.PathLike, *, other:
                     f"GGUF tensor {tensor.name} does not match the model's {hf_name}: this architecture's GGUF layout "
                     "is not handled (its loader may permute it); load the target without 4-bit weights"
                 )
-        _replace(model, name, Int4Linear(codes, scales, zeros, linear.bias))
-        counts["int4 (gguf Q4_K)"] = counts.get("int4 (gguf Q4_K)", 0) + 1
+        if int8:
+            _replace(model, name, W4A8Linear(*parts, linear.bias))
+        else:
+            _replace(model, name, Int4Linear(codes, scales, zeros, linear.bias))
+        label = "w4a8 (gguf Q4_K)" if int8 else "int4 (gguf Q4_K)"
+        counts[label] = counts.get(label, 0) + 1
     if not counts:
         raise ValueError(f"{gguf_file} has no Q4_K linear weights for this model: nothing to keep in 4 bits")
     if other != "bfloat16":
+        kind = {"int8": "w8a8", "int4": "w4a8"}[other] if int8 else other
         before = sum(isinstance(m, nn.Linear) for m in model.modules())
-        quantize_linears(model, other)
-        counts[other] = before - sum(isinstance(m, nn.Linear) for m in model.modules())
+        quantize_linears(model, kind)
+        counts[kind] = before - sum(isinstance(m, nn.Linear) for m in model.modules())
     left = sum(isinstance(m, nn.Linear) for m in model.modules())
     if left:
         counts["kept as loaded"] = left

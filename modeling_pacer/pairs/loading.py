@@ -80,9 +80,11 @@ def model_location(source: ModelSource, pacer_cache=None, *, pair_name: str = DE
     return source.path, ({"gguf_file": source.gguf_file} if source.gguf_file else {})
 
 
-# the target's weight-only quantizations: the GGUF's Q4_K tensors stay 4-bit, the rest (Q6_K, the LM head)
-# become int4 (fastest) or int8 (closer to the file); see modeling_pacer.quantization
-TARGET_QUANTIZATIONS = {"int4": "int4", "int4+int8": "int8"}
+# the target's weight-only quantizations, as quantize_from_gguf's (other, activations): the GGUF's Q4_K tensors
+# stay 4-bit, the rest (Q6_K, the LM head) become int4 (fastest of torch's) or int8 (closer to the file), with
+# bf16 activations on torch's kernels; w4a8: int8 activations on pacer's VNNI kernels (a verification block
+# costs about one step); see modeling_pacer.quantization
+TARGET_QUANTIZATIONS = {"int4": ("int4", "bfloat16"), "int4+int8": ("int8", "bfloat16"), "w4a8": ("int8", "int8")}
 # the draft's, with how reports name them: dynamic int8 (float32 activations), or int4 weights (bf16 activations)
 DRAFT_QUANTIZATIONS = {"int8": "dynamic-int8", "int4": "int4"}
 
@@ -191,9 +193,12 @@ def load_pair(
             bf16 activations, True or "int8" for dynamic int8 (float32 draft), False (or "none") for none; None
             (default): the registered pair's setting (`PairSpec.quantize_draft`: int4 for the default pair), none
             for any other pair. Only speed changes: the target decides every token.
-        quantize_target: keep a GGUF target's 4-bit weights 4-bit (CPU, bf16 activations): "int4" repacks
-            its Q4_K tensors unchanged for torch's int4 kernel and requantizes the rest (Q6_K, the LM head) to
-            int4; "int4+int8" makes the rest int8 (closer to the file, slower). Needs a GGUF target (a
+        quantize_target: keep a GGUF target's 4-bit weights 4-bit (CPU): "int4" repacks its Q4_K tensors
+            unchanged for torch's int4 kernel (bf16 activations) and requantizes the rest (Q6_K, the LM head)
+            to int4; "int4+int8" makes the rest int8 (closer to the file, slower); "w4a8" keeps the Q4_K
+            tensors exactly (float16 scales too) for pacer's VNNI kernels, int8 activations, the rest int8:
+            a verification block of a few tokens costs about one decoding step (AVX512-VNNI and a C++
+            compiler; [`modeling_pacer.kernels`]). Needs a GGUF target (a
             registered pair, or a `.gguf` file) and bf16 (`dtype="auto"` picks it).
             See [`modeling_pacer.quantization.quantize_from_gguf`].
         exact: make the target's verification forward bitwise equal, row for row, to single-token steps
@@ -238,7 +243,8 @@ def load_pair(
         from ..quantization import quantize_from_gguf
 
         gguf_file = source_gguf(spec.target, pacer_cache, pair_name=spec.name) or _hub_gguf(spec.target)
-        quantize_from_gguf(target, gguf_file, other=TARGET_QUANTIZATIONS[quantize_target])
+        other, activations = TARGET_QUANTIZATIONS[quantize_target]
+        quantize_from_gguf(target, gguf_file, other=other, activations=activations)
     if exact:
         from ..exact_attention import make_exact
 
@@ -332,7 +338,13 @@ def _check_target_quantization(quantize_target, source: ModelSource, dtype, load
         raise ValueError("quantize_target and load_in_8bit_target are two different quantizations: choose one")
     if device_map not in (None, "cpu"):
         raise ValueError("quantize_target uses torch's CPU kernels: load the pair without device_map")
-    if not int4_kernel_available():
+    if TARGET_QUANTIZATIONS[quantize_target][1] == "int8":
+        from .. import kernels
+
+        if not kernels.available():
+            raise ValueError(f"quantize_target={quantize_target!r} needs pacer's VNNI kernels: "
+                             f"{kernels.unavailable_reason()}; quantize_target='int4' runs on torch's kernels")
+    elif not int4_kernel_available():
         raise ValueError(f"quantize_target needs torch's CPU int4 kernels, which torch {torch.__version__} lacks")
 
 
@@ -366,8 +378,10 @@ class PairArguments:
     )
     quantize_target: str | None = field(
         default=None,
-        metadata={"help": "keep a GGUF target's 4-bit weights 4-bit (torch's CPU int4 kernel, bf16): int4 (the "
-                          "rest, Q6_K and the LM head, requantized to int4) or int4+int8 (the rest int8)",
+        metadata={"help": "keep a GGUF target's 4-bit weights 4-bit: int4 (torch's CPU int4 kernel, bf16 "
+                          "activations; the rest, Q6_K and the LM head, requantized to int4), int4+int8 (the rest "
+                          "int8), or w4a8 (pacer's VNNI kernels, int8 activations: a verification block of up to "
+                          "about 8 tokens costs about one step; the rest int8)",
                   "choices": tuple(TARGET_QUANTIZATIONS)},
     )
 

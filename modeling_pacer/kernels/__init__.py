@@ -1,0 +1,199 @@
+"""The VNNI weight-only kernels (`vnni_matmul.cpp`): compiled for this CPU on first use, cached, called through ctypes.
+
+torch's CPU int4 and int8 weight-only kernels compute in float, one multiply-add per weight and row, so their
+cost grows with the rows of a call (a verification block of 8 tokens costs about 3.5 single steps over the
+4-bit target). These kernels quantize the activations to int8 and multiply with VNNI's integer dot products,
+unpacking each weight tile once for all the rows of the call: up to about 8 rows cost about one weight read.
+Integer sums are exact and each row runs the same instructions whatever the call's size or thread count, so
+their results are row-invariant by construction (still probed where they run, like every exact layer).
+
+The file is compiled with the host's C++ compiler (`$CXX`, else `c++`) and `-march=native` into
+`~/.cache/pacer/kernels/`, keyed by the source, the compiler and the CPU; a host without AVX512-VNNI or
+without a compiler gets `available() == False` and a reason, and the callers keep torch's kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("vnni_matmul.cpp")
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+ABI = 5  # pacer_kernel_abi() of the source this module calls
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _cache_dir() -> Path:
+    from ..pairs.registry import cache_root
+
+    return cache_root() / "kernels"
+
+
+@functools.lru_cache(maxsize=1)
+def _load() -> tuple[ctypes.CDLL | None, str]:
+    """`(library, "")`, or `(None, why not)`."""
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return None, f"the VNNI kernels are built for x86-64 Linux, not {platform.system()} {platform.machine()}"
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if not compiler:
+        return None, "no C++ compiler found (set $CXX or install g++)"
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as error:
+        return None, f"{compiler} --version failed: {error}"
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, " ".join(FLAGS), _cpu_flags()]).encode())
+    target = _cache_dir() / f"vnni_matmul-{key.hexdigest()[:20]}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            built = Path(tmp) / target.name
+            done = subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE)], capture_output=True, text=True)
+            if done.returncode:
+                return None, f"compiling {SOURCE.name} failed: {done.stderr.strip()[-2000:]}"
+            os.replace(built, target)
+    library = ctypes.CDLL(str(target))
+    if library.pacer_kernel_abi() != ABI:
+        return None, f"{target} is built from another version of {SOURCE.name}"
+    if not library.pacer_vnni_available():
+        return None, "this CPU has no AVX512-VNNI (avx512_vnni, avx512bw): torch's kernels are used"
+    p, i = ctypes.c_void_p, ctypes.c_int64
+    library.pacer_quantize_rows.argtypes = [p, i, i, i, p, p, p]
+    library.pacer_q4k_matmul.argtypes = [p, p, p, p, i, i, p, p, p, i, p, ctypes.c_int, p]
+    library.pacer_q8_matmul.argtypes = [p, p, i, i, p, p, p, i, p, ctypes.c_int, p]
+    library.pacer_exact_attention.argtypes = [p, p, p, i, i, i, i, i, i, p, p, ctypes.c_float, p]
+    for f in (library.pacer_quantize_rows, library.pacer_q4k_matmul, library.pacer_q8_matmul,
+              library.pacer_exact_attention):
+        f.restype = None
+    return library, ""
+
+
+def available() -> bool:
+    """True when the kernels are built (or can be) and this CPU runs them."""
+    return _load()[0] is not None
+
+
+def unavailable_reason() -> str:
+    """Why `available()` is False ("" when it is True)."""
+    return _load()[1]
+
+
+def _library() -> ctypes.CDLL:
+    library, why = _load()
+    if library is None:
+        raise RuntimeError(f"pacer's VNNI kernels are not available: {why}")
+    return library
+
+
+class QuantizedRows:
+    """A call's activations as the kernels read them: int8 rows in blocks of `block` inputs (32 for both
+    kernels; 256, llama.cpp's Q8_K, for comparison) with one scale per block, and the sum of each 32 codes."""
+
+    def __init__(self, x: torch.Tensor, block: int = 32):
+        if block not in (32, 256):
+            raise ValueError(f"QuantizedRows: block must be 32 or 256, got {block}")
+        if x.dim() != 2 or x.shape[1] % 256:
+            raise ValueError(f"QuantizedRows: needs (rows, k) with k divisible by 256, got {tuple(x.shape)}")
+        x = x.to(torch.bfloat16).contiguous()
+        self.rows, self.k = x.shape
+        self.block = block
+        self.q = torch.empty(self.rows, self.k, dtype=torch.int8)
+        self.scale = torch.empty(self.rows, self.k // block, dtype=torch.float32)
+        self.group_sums = torch.empty(self.rows, self.k // 32, dtype=torch.int16)
+        _library().pacer_quantize_rows(x.data_ptr(), self.rows, self.k, block, self.q.data_ptr(), self.scale.data_ptr(),
+                                       self.group_sums.data_ptr())
+
+
+def _output(rows: int, n: int, bias, dtype) -> tuple[torch.Tensor, int, int]:
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"the kernels write float32 or bfloat16, not {dtype}")
+    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,) or not bias.is_contiguous()):
+        raise ValueError(f"bias must be a contiguous float32 tensor of shape ({n},)")
+    out = torch.empty(rows, n, dtype=dtype)
+    return out, 0 if bias is None else bias.data_ptr(), int(dtype == torch.bfloat16)
+
+
+def q4k_matmul(x: QuantizedRows, packed, sc, mn, dd, n: int, bias: torch.Tensor | None = None,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`(rows, n)`: the rows of `x` (blocks of 32) times a Q4_K weight packed by `pack_q4k`, plus `bias` (float32),
+    computed in float32 and written as `dtype` (float32, or bfloat16 rounded to nearest even)."""
+    if x.block != 32:
+        raise ValueError("q4k_matmul reads activations quantized in blocks of 32")
+    out, bias_ptr, bf16 = _output(x.rows, n, bias, dtype)
+    _library().pacer_q4k_matmul(packed.data_ptr(), sc.data_ptr(), mn.data_ptr(), dd.data_ptr(), n, x.k,
+                                x.q.data_ptr(), x.scale.data_ptr(), x.group_sums.data_ptr(), x.rows, bias_ptr, bf16,
+                                out.data_ptr())
+    return out
+
+
+def q8_matmul(x: QuantizedRows, packed, scale, n: int, bias: torch.Tensor | None = None,
+              dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`(rows, n)`: the rows of `x` (blocks of 32) times an int8 weight packed by `pack_q8`, plus `bias`, as
+    [`q4k_matmul`] writes them."""
+    if x.block != 32:
+        raise ValueError("q8_matmul reads activations quantized in blocks of 32")
+    out, bias_ptr, bf16 = _output(x.rows, n, bias, dtype)
+    _library().pacer_q8_matmul(packed.data_ptr(), scale.data_ptr(), n, x.k, x.q.data_ptr(), x.scale.data_ptr(),
+                               x.group_sums.data_ptr(), x.rows, bias_ptr, bf16, out.data_ptr())
+    return out
+
+
+def exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+                    scaling: float) -> torch.Tensor:
+    """pacer_exact attention in one call: `query` (B, H, M, D), `key`/`value` (B, KV, L, D), bf16; row (b, i)
+    attends to keys `lo[b, i]..hi[b, i] - 1` ((B, M) int64). Returns (B, M, H, D) float32, each row computed
+    alone by the same instructions whatever M, L or the thread count."""
+    batch, heads, rows, dim = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    if dim % 16 or dim > 256 or heads % kv_heads or query.dtype != torch.bfloat16:
+        raise ValueError(f"exact_attention: needs bf16, head_dim a multiple of 16 up to 256 and heads divisible by "
+                         f"kv_heads; got {query.dtype}, head_dim {dim}, {heads}/{kv_heads} heads")
+    q, k, v = (t.to(torch.bfloat16).contiguous() for t in (query, key, value))
+    lo, hi = lo.to(torch.int64).contiguous(), hi.to(torch.int64).contiguous()
+    out = torch.empty(batch, rows, heads, dim, dtype=torch.float32)
+    _library().pacer_exact_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), batch, heads, kv_heads, rows, length, dim,
+                                     lo.data_ptr(), hi.data_ptr(), scaling, out.data_ptr())
+    return out
+
+
+def pack_q4k(codes: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor):
+    """Q4_K's parts -> the kernel's layout. codes (n, k) in 0..15; sc, mn (n, k / 32) in 0..63; d, dmin (n, k / 256)
+    float, with w = d * sc * q - dmin * mn. Returns (packed, sc, mn, d, dmin) tiled by 16 outputs."""
+    n, k = codes.shape
+    if n % 16 or k % 256:
+        raise ValueError(f"pack_q4k: needs n divisible by 16 and k by 256, got {n} x {k}")
+    t, b = n // 16, k // 256
+    c = codes.to(torch.uint8).reshape(t, 16, b, 8, 8, 4).permute(0, 2, 3, 4, 1, 5).reshape(t, b, 8, 8, 64)
+    packed = (c[:, :, :, :4] | (c[:, :, :, 4:] << 4)).contiguous()
+    tile = lambda v, per: v.reshape(t, 16, b, per).permute(0, 2, 3, 1).contiguous()  # noqa: E731
+    # d and dmin as float16 (Q4_K stores them so: exact), (t, b, 2, 16)
+    dd = torch.stack([d, dmin], dim=-1).to(torch.float16).reshape(t, 16, b, 2).permute(0, 2, 3, 1).contiguous()
+    return packed, tile(sc.to(torch.uint8), 8), tile(mn.to(torch.uint8), 8), dd.view(torch.int16)
+
+
+def pack_q8(codes: torch.Tensor, scale: torch.Tensor):
+    """int8 codes (n, k) in -127..127 with one float scale per output -> (packed codes + 128 as uint8, scale), tiled
+    by 16 outputs: packed[t][k / 32][8][16][4]."""
+    n, k = codes.shape
+    if n % 16 or k % 256:
+        raise ValueError(f"pack_q8: needs n divisible by 16 and k by 256, got {n} x {k}")
+    t = n // 16
+    c = (codes.to(torch.int16) + 128).to(torch.uint8).reshape(t, 16, k // 32, 8, 4)
+    return c.permute(0, 2, 3, 1, 4).contiguous(), scale.float().reshape(t, 16).contiguous()

@@ -1,0 +1,285 @@
+// Weight-only 4-bit and 8-bit matrix products with 8-bit activations, on AVX512-VNNI.
+//
+// y[r, n] = sum_k x[r, k] w[n, k] for a few rows r (a decoding step, a verification block). The weights are
+// read once per call whatever the number of rows: each 16-output x 32-input tile is unpacked into registers
+// once and multiplied into every row of the call (vpdpbusd: 64 u8 x s8 products a cycle), so up to ~8 rows
+// cost about one weight read. Integer sums are exact, and every row goes through the same instructions in
+// the same order whatever the call's size and the thread count (threads split the outputs, never the
+// sum over k): a row's result depends on the row alone, by construction, on every CPU that runs this file.
+//
+// Activations: each row is quantized in blocks of 32 inputs to int8, xq = rint(x * 127 / amax), with one float
+// scale sx = amax / 127 per block (llama.cpp's Q8_0; blocks of 256, its Q8_K, stayed measurably further from
+// bf16). Weights:
+//   Q4_K (the GGUF grid, unchanged):  w = d * sc[g] * q - dmin * m[g], q in 0..15, per super-block of 256
+//     inputs (d, dmin float) and group g of 32 (sc, m 6-bit integers), so for one row and one super-block
+//       sum_k x w = d * sum_g sx[g] * sc[g] * (sum_{k in g} xq q) - dmin * sum_g m[g] * sx[g] * (sum_{k in g} xq)
+//     with the inner sums integers.
+//   int8, one scale per output:       w = s * q, q in -127..127:  sum_k x w = s * sum_blocks sx * sum xq q,
+//     computed as u8 x s8 with q + 128 and the correction 128 * sum xq.
+// Built by modeling_pacer/kernels/__init__.py with -march=native -ffp-contract=off (no fused or reordered
+// float operations beyond the explicit ones below).
+#include <cstdint>
+#include <cmath>
+#include <cstring>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define PACER_VNNI 1
+#include <immintrin.h>
+#endif
+
+extern "C" int pacer_kernel_abi() { return 5; }
+
+#ifdef PACER_VNNI
+extern "C" int pacer_vnni_available() { return 1; }
+
+static inline float bf16_to_float(uint16_t v) {
+    uint32_t bits = uint32_t(v) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
+// x: (m, k) bf16 -> xq: (m, k) int8, quantized per block of `block` (32 or 256) inputs; sx: (m, k / block) float;
+// xs: (m, k / 32) int16 (the sum of each group of 32 codes, |xs| <= 32 * 127).
+extern "C" void pacer_quantize_rows(const uint16_t* x, int64_t m, int64_t k, int64_t block, int8_t* xq, float* sx,
+                                    int16_t* xs) {
+    const int64_t blocks = k / block;
+    for (int64_t r = 0; r < m; ++r) {
+        for (int64_t b = 0; b < blocks; ++b) {
+            const uint16_t* src = x + r * k + b * block;
+            float v[256];
+            __m512 amax = _mm512_setzero_ps();
+            for (int64_t i = 0; i < block; i += 16) {
+                __m256i h = _mm256_loadu_si256((const __m256i*)(src + i));
+                __m512 f = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+                _mm512_storeu_ps(v + i, f);
+                amax = _mm512_max_ps(amax, _mm512_abs_ps(f));
+            }
+            const float a = _mm512_reduce_max_ps(amax);
+            const float id = a > 0.0f ? 127.0f / a : 0.0f;
+            sx[r * blocks + b] = a / 127.0f;
+            const __m512 vid = _mm512_set1_ps(id);
+            for (int64_t g = 0; g < block / 32; ++g) {
+                __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v + g * 32), vid));
+                __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v + g * 32 + 16), vid));
+                q0 = _mm512_max_epi32(_mm512_min_epi32(q0, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+                q1 = _mm512_max_epi32(_mm512_min_epi32(q1, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+                xs[r * (k / 32) + b * (block / 32) + g] = (int16_t)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+                int8_t* dst = xq + r * k + b * block + g * 32;
+                _mm_storeu_si128((__m128i*)dst, _mm512_cvtepi32_epi8(q0));
+                _mm_storeu_si128((__m128i*)(dst + 16), _mm512_cvtepi32_epi8(q1));
+            }
+        }
+    }
+}
+
+#ifndef PACER_PREFETCH
+#define PACER_PREFETCH 4096
+#endif
+static const int64_t PREFETCH = PACER_PREFETCH;  // bytes ahead of the group being computed
+
+static inline int32_t load4(const int8_t* p) { int32_t v; std::memcpy(&v, p, 4); return v; }
+
+// Q4_K. For output tile t (16 outputs) and super-block b: packed[t][b][g][4][64] (zmm p: low nibbles = step p,
+// high = step p + 4; step j holds inputs 4j..4j+3 of group g for the 16 outputs, 4 bytes per output),
+// sc[t][b][g][16], mn[t][b][g][16] (uint8), dd[t][b][2][16] (float16: d, then dmin). Activations in blocks of 32:
+//   out += d * sum_g sx_g * (sc_g * isum_g) - dmin * sum_g mn_g * (sx_g * xs_g)     (isum_g = sum_{k in g} xq q)
+// out (rows x 16, stride ldo, float) accumulates over the super-blocks; it starts at zero.
+template <int R>
+static void q4_tile(const uint8_t* packed, const uint8_t* sc, const uint8_t* mn, const uint16_t* dd,
+                    const int8_t* xq, const float* sx, const int16_t* xs, int64_t k, int64_t blocks, float* out,
+                    int64_t ldo) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    const int64_t groups = k / 32;
+    for (int64_t b = 0; b < blocks; ++b) {
+        __m512 accd[R], accm[R];
+        for (int r = 0; r < R; ++r) { accd[r] = _mm512_setzero_ps(); accm[r] = _mm512_setzero_ps(); }
+        for (int g = 0; g < 8; ++g) {
+            const uint8_t* p = packed + ((b * 8 + g) * 256);
+            // the weights stream from memory: ask for those PREFETCH bytes ahead while this group computes
+            _mm_prefetch((const char*)(p + PREFETCH), _MM_HINT_T0);
+            _mm_prefetch((const char*)(p + PREFETCH + 64), _MM_HINT_T0);
+            _mm_prefetch((const char*)(p + PREFETCH + 128), _MM_HINT_T0);
+            _mm_prefetch((const char*)(p + PREFETCH + 192), _MM_HINT_T0);
+            __m512i w[8];
+            for (int j = 0; j < 4; ++j) {
+                __m512i v = _mm512_loadu_si512((const void*)(p + j * 64));
+                w[j] = _mm512_and_si512(v, low);
+                w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            }
+            const __m512i scv = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(sc + (b * 8 + g) * 16)));
+            const __m512 mnf = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(mn + (b * 8 + g) * 16))));
+            for (int r = 0; r < R; ++r) {
+                const int8_t* xr = xq + r * k + b * 256 + g * 32;
+                __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(load4(xr)));
+                __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], _mm512_set1_epi32(load4(xr + 4)));
+                for (int j = 2; j < 8; j += 2) {
+                    s0 = _mm512_dpbusd_epi32(s0, w[j], _mm512_set1_epi32(load4(xr + 4 * j)));
+                    s1 = _mm512_dpbusd_epi32(s1, w[j + 1], _mm512_set1_epi32(load4(xr + 4 * j + 4)));
+                }
+                const float sxg = sx[r * groups + b * 8 + g];
+                const __m512 isum = _mm512_cvtepi32_ps(_mm512_mullo_epi32(_mm512_add_epi32(s0, s1), scv));
+                accd[r] = _mm512_fmadd_ps(_mm512_set1_ps(sxg), isum, accd[r]);
+                accm[r] = _mm512_fmadd_ps(mnf, _mm512_set1_ps(sxg * float(xs[r * groups + b * 8 + g])), accm[r]);
+            }
+        }
+        const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(dd + b * 32)));
+        const __m512 dminv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(dd + b * 32 + 16)));
+        for (int r = 0; r < R; ++r) {
+            // out += d * accd - dmin * accm, in this order for every row
+            const __m512 t = _mm512_sub_ps(_mm512_mul_ps(dv, accd[r]), _mm512_mul_ps(dminv, accm[r]));
+            float* o = out + r * ldo;
+            _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), t));
+        }
+    }
+}
+
+template <int R>
+static void q8_tile(const uint8_t* packed, const float* scale, const int8_t* xq, const float* sx, const int16_t* xs,
+                    int64_t k, float* out, int64_t ldo) {
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < k / 32; ++g) {
+        __m512i s[R];
+        for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_si512();
+        const uint8_t* p = packed + g * 512;
+        for (int j = 0; j < 8; ++j) {
+            _mm_prefetch((const char*)(p + j * 64 + PREFETCH), _MM_HINT_T0);
+            const __m512i w = _mm512_loadu_si512((const void*)(p + j * 64));
+            for (int r = 0; r < R; ++r)
+                s[r] = _mm512_dpbusd_epi32(s[r], w, _mm512_set1_epi32(load4(xq + r * k + g * 32 + 4 * j)));
+        }
+        for (int r = 0; r < R; ++r) {
+            const __m512i exact = _mm512_sub_epi32(s[r], _mm512_set1_epi32(128 * int32_t(xs[r * (k / 32) + g])));
+            acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_set1_ps(sx[r * (k / 32) + g]), _mm512_cvtepi32_ps(exact)));
+        }
+    }
+    const __m512 sv = _mm512_loadu_ps(scale);
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ldo, _mm512_mul_ps(acc[r], sv));
+}
+
+// A tile's float results (rows x 16 in acc) plus the bias, to out (float, or bf16 rounded to nearest even as
+// torch's conversion rounds; NaN stays NaN).
+static void finish(const float* acc, int64_t rows, const float* bias, void* out, int out_bf16, int64_t offset,
+                   int64_t ldo) {
+    for (int64_t r = 0; r < rows; ++r) {
+        __m512 v = _mm512_loadu_ps(acc + r * 16);
+        if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias));
+        if (out_bf16) {
+            const __m512i bits = _mm512_castps_si512(v);
+            const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+            __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb)), 16);
+            rounded = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), rounded, _mm512_set1_epi32(0x7FC0));
+            _mm256_storeu_si256((__m256i*)((uint16_t*)out + offset + r * ldo), _mm512_cvtepi32_epi16(rounded));
+        } else {
+            _mm512_storeu_ps((float*)out + offset + r * ldo, v);
+        }
+    }
+}
+
+#define PACER_ROWS(F, ...)                                                  \
+    switch (rows) {                                                         \
+        case 1: F<1>(__VA_ARGS__); break; case 2: F<2>(__VA_ARGS__); break; \
+        case 3: F<3>(__VA_ARGS__); break; case 4: F<4>(__VA_ARGS__); break; \
+        case 5: F<5>(__VA_ARGS__); break; case 6: F<6>(__VA_ARGS__); break; \
+        case 7: F<7>(__VA_ARGS__); break; default: F<8>(__VA_ARGS__); break; \
+    }
+static const int64_t ROW_BLOCK = 8;
+
+// out: (m, n), float or (out_bf16) bf16, plus bias (n floats) unless null. xq, sx, xs from pacer_quantize_rows
+// with block 32.
+extern "C" void pacer_q4k_matmul(const uint8_t* packed, const uint8_t* sc, const uint8_t* mn, const uint16_t* dd,
+                                 int64_t n, int64_t k, const int8_t* xq, const float* sx,
+                                 const int16_t* xs, int64_t m, const float* bias, int out_bf16, void* out) {
+    const int64_t tiles = n / 16, blocks = k / 256;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < tiles; ++t) {
+        const uint8_t* pt = packed + t * blocks * 8 * 256;
+        const uint8_t* sct = sc + t * blocks * 8 * 16;
+        const uint8_t* mnt = mn + t * blocks * 8 * 16;
+        const uint16_t* ddt = dd + t * blocks * 32;
+        for (int64_t r0 = 0; r0 < m; r0 += ROW_BLOCK) {
+            const int64_t rows = m - r0 < ROW_BLOCK ? m - r0 : ROW_BLOCK;
+            float acc[ROW_BLOCK * 16];
+            std::memset(acc, 0, sizeof acc);
+            PACER_ROWS(q4_tile, pt, sct, mnt, ddt, xq + r0 * k, sx + r0 * (k / 32), xs + r0 * (k / 32), k, blocks, acc, 16)
+            finish(acc, rows, bias ? bias + t * 16 : nullptr, out, out_bf16, r0 * n + t * 16, n);
+        }
+    }
+}
+
+// out and bias as pacer_q4k_matmul's; xq, sx, xs from pacer_quantize_rows with block 32.
+extern "C" void pacer_q8_matmul(const uint8_t* packed, const float* scale, int64_t n, int64_t k, const int8_t* xq,
+                                const float* sx, const int16_t* xs, int64_t m, const float* bias, int out_bf16,
+                                void* out) {
+    const int64_t tiles = n / 16;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < tiles; ++t) {
+        for (int64_t r0 = 0; r0 < m; r0 += ROW_BLOCK) {
+            const int64_t rows = m - r0 < ROW_BLOCK ? m - r0 : ROW_BLOCK;
+            float acc[ROW_BLOCK * 16];
+            PACER_ROWS(q8_tile, packed + t * k * 16, scale + t * 16, xq + r0 * k, sx + r0 * (k / 32), xs + r0 * (k / 32),
+                       k, acc, 16)
+            finish(acc, rows, bias ? bias + t * 16 : nullptr, out, out_bf16, r0 * n + t * 16, n);
+        }
+    }
+}
+
+// Attention for causal decoders, one query row at a time (pacer_exact's rule: a row's result must not depend on
+// the rows computed with it). q (B, H, M, D), k and v (B, KV, L, D) bf16, contiguous; row (b, i) attends to
+// keys lo[b, i]..hi[b, i] - 1 (hi == lo: a padding row, zeros); GQA: query head h reads key head h / (H / KV).
+// out (B, M, H, D) float. In float32, in this order for every row: scores s_j = (q . k_j, 16 lanes then a fixed
+// horizontal sum) * scaling; p_j = exp(s_j - max s); out = (sum_j p_j v_j, j ascending) / (sum_j p_j, j ascending).
+extern "C" void pacer_exact_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t B, int64_t H,
+                                      int64_t KV, int64_t M, int64_t L, int64_t D, const int64_t* lo,
+                                      const int64_t* hi, float scaling, float* out) {
+    const int64_t groups = H / KV, chunks = D / 16;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t task = 0; task < B * M * H; ++task) {
+        const int64_t b = task / (M * H), i = (task / H) % M, h = task % H;
+        const int64_t first = lo[b * M + i], last = hi[b * M + i];
+        float* o = out + ((b * M + i) * H + h) * D;
+        if (last <= first) {
+            for (int64_t t = 0; t < D; ++t) o[t] = 0.0f;
+            continue;
+        }
+        __m512 qv[16];  // D <= 256
+        const uint16_t* qr = q + ((b * H + h) * M + i) * D;
+        for (int64_t c = 0; c < chunks; ++c)
+            qv[c] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(qr + 16 * c))), 16));
+        const uint16_t* kh = k + (b * KV + h / groups) * L * D;
+        const uint16_t* vh = v + (b * KV + h / groups) * L * D;
+        float* scores = new float[last - first];
+        float top = -INFINITY;
+        for (int64_t j = first; j < last; ++j) {
+            __m512 acc = _mm512_setzero_ps();
+            for (int64_t c = 0; c < chunks; ++c) {
+                const __m512 kv = _mm512_castsi512_ps(_mm512_slli_epi32(
+                    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(kh + j * D + 16 * c))), 16));
+                acc = _mm512_fmadd_ps(qv[c], kv, acc);
+            }
+            const float sj = _mm512_reduce_add_ps(acc) * scaling;
+            scores[j - first] = sj;
+            top = sj > top ? sj : top;
+        }
+        float total = 0.0f;
+        __m512 ov[16];
+        for (int64_t c = 0; c < chunks; ++c) ov[c] = _mm512_setzero_ps();
+        for (int64_t j = first; j < last; ++j) {
+            const float pj = std::exp(scores[j - first] - top);
+            total += pj;
+            const __m512 pv = _mm512_set1_ps(pj);
+            for (int64_t c = 0; c < chunks; ++c) {
+                const __m512 vv = _mm512_castsi512_ps(_mm512_slli_epi32(
+                    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(vh + j * D + 16 * c))), 16));
+                ov[c] = _mm512_fmadd_ps(pv, vv, ov[c]);
+            }
+        }
+        delete[] scores;
+        const __m512 tv = _mm512_set1_ps(total);
+        for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_div_ps(ov[c], tv));
+    }
+}
+#else
+extern "C" int pacer_vnni_available() { return 0; }
+#endif

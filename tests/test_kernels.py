@@ -1,0 +1,227 @@
+"""pacer's VNNI kernels (modeling_pacer/kernels) and their layers (W4A8Linear, W8A8Linear): they compute their
+integer formula exactly, each output row is bitwise the same whatever the rows and threads of the call, a
+GGUF's Q4_K tensors are kept exactly, and PACER over a W4A8 target returns that target's own greedy output."""
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from modeling_pacer import FixedLength, enable_pacer, kernels
+from modeling_pacer.exact_attention import make_exact
+from modeling_pacer.exact_linear import row_runs
+from modeling_pacer.pairs import load_pair
+from modeling_pacer.quantization import W4A8Linear, W8A8Linear, q4_k_parts, quantize_from_gguf, quantize_linears
+
+from test_quantization import _random_q4_k, _tiny_qwen2, _write_gguf
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"VNNI kernels: {kernels.unavailable_reason()}")
+
+
+def _quantized_activations(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """The kernels' int8 activations, dequantized (float64): rint(x * 127 / amax) * amax / 127 per block."""
+    rows = kernels.QuantizedRows(x, block)
+    return (rows.q.double().reshape(x.shape[0], -1, block) * rows.scale.double()[..., None]).reshape(x.shape)
+
+
+def test_activations_are_quantized_row_by_row():
+    x = torch.randn(3, 512, dtype=torch.bfloat16) * torch.tensor([[1.0], [100.0], [0.01]], dtype=torch.bfloat16)
+    x[2, 256:] = 0  # an all-zero block: scale 0, codes 0
+    rows = kernels.QuantizedRows(x, block=256)
+    block = x.float().reshape(3, 2, 256)
+    amax = block.abs().amax(-1)
+    assert torch.equal(rows.scale, amax / 127)
+    assert int(rows.q.abs().max()) <= 127 and torch.equal(rows.q[2, 256:], torch.zeros(256, dtype=torch.int8))
+    assert torch.equal(rows.group_sums, rows.q.reshape(3, 16, 32).sum(-1, dtype=torch.int16))
+    # within one code of x * 127 / amax, and row 1 unaffected by the other rows' magnitudes
+    assert bool(((rows.q.float().reshape(3, 2, 256) - block * 127 / amax.clamp_min(1e-30)[..., None]).abs() <= 0.5001).all())
+    assert torch.equal(kernels.QuantizedRows(x[1:2], block=256).q[0], rows.q[1])
+    fine = kernels.QuantizedRows(x)  # the kernels' blocks: one scale per 32 inputs
+    assert torch.equal(fine.scale, x.float().reshape(3, 16, 32).abs().amax(-1) / 127)
+    assert torch.equal(fine.group_sums, fine.q.reshape(3, 16, 32).sum(-1, dtype=torch.int16))
+    with pytest.raises(ValueError, match="divisible by 256"):
+        kernels.QuantizedRows(torch.randn(2, 200))
+    with pytest.raises(ValueError, match="32 or 256"):
+        kernels.QuantizedRows(x, block=64)
+    with pytest.raises(ValueError, match="blocks of 32"):
+        kernels.q8_matmul(rows, *kernels.pack_q8(torch.zeros(16, 512), torch.ones(16)), 16)
+    with pytest.raises(ValueError, match="blocks of 32"):
+        kernels.q4k_matmul(rows, *kernels.pack_q4k(*(torch.zeros(16, n, dtype=torch.int64) for n in (512, 16, 16, 2, 2))), 16)
+
+
+def test_w4a8_computes_the_q4_k_grid():
+    """From a GGUF Q4_K tensor's bytes: the layer is the file's weight (gguf-py's dequantization) times the
+    int8 activations, to float32 rounding."""
+    raw = _random_q4_k(48, 768, seed=3)
+    parts = q4_k_parts(raw, 48, 768)
+    bias = torch.randn(48)
+    layer = W4A8Linear(*parts, bias)
+    weight = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q4_K)).reshape(48, 768).double()
+    x = torch.randn(5, 768, dtype=torch.bfloat16)
+    out = layer(x.float())
+    assert out.dtype == torch.float32 and out.shape == (5, 48)
+    expected = _quantized_activations(x) @ weight.t() + bias.double()
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+    with pytest.raises(ValueError, match="divisible by 256"):
+        W4A8Linear(*(t[:, :16] if t.shape[1] == 768 else t[:, :2] if t.shape[1] == 3 else t[:, :1] for t in parts))
+    with pytest.raises(ValueError, match="0..15"):
+        W4A8Linear(parts[0] + 16, *parts[1:])
+
+
+def test_w8a8_computes_its_codes():
+    torch.manual_seed(4)
+    codes, scales, bias = torch.randint(-127, 128, (32, 512)), torch.rand(32) / 100, torch.randn(32)
+    layer = W8A8Linear(codes, scales, bias)
+    x = torch.randn(7, 512, dtype=torch.bfloat16)
+    expected = _quantized_activations(x, 32) @ (codes.double() * scales.double()[:, None]).t() + bias.double()
+    torch.testing.assert_close(layer(x).double(), expected, rtol=1e-2, atol=1e-5 * float(expected.abs().max()))
+    assert layer(x).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="divisible by 256"):
+        W8A8Linear(codes[:, :300], scales)
+
+
+@pytest.mark.parametrize("kind", ["w4a8", "w8a8"])
+def test_from_linear_error_is_bounded(kind):
+    torch.manual_seed(5)
+    linear = torch.nn.Linear(512, 64)
+    layer = (W4A8Linear if kind == "w4a8" else W8A8Linear).from_linear(linear)
+    x = torch.randn(16, 512)
+    exact = x @ linear.weight.detach().t() + linear.bias.detach()
+    error = (layer(x) - exact).abs().max() / exact.abs().max()
+    assert error < (0.08 if kind == "w4a8" else 0.02), float(error)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("cls", [W4A8Linear, W8A8Linear])
+def test_rows_do_not_depend_on_the_row_count_or_threads(cls, threads):
+    """Row i of an n-row call is bitwise the 1-row call on row i, for n up to 20 (across the kernel's blocks of
+    8 rows), under 1 and 2 threads, and the same under both."""
+    before = torch.get_num_threads()
+    torch.manual_seed(6)
+    layer = cls.from_linear(torch.nn.Linear(512, 336))
+    x = torch.randn(20, 512, dtype=torch.bfloat16)
+    try:
+        torch.set_num_threads(1)
+        reference = torch.cat([layer(x[i:i + 1]) for i in range(20)])
+        torch.set_num_threads(threads)
+        for n in range(1, 21):
+            assert torch.equal(layer(x[:n]), reference[:n]), n
+    finally:
+        torch.set_num_threads(before)
+    # and the host probe finds one run over every row count
+    assert [(r.lo, r.hi) for r in row_runs(layer, 24)] == [(1, 24)]
+
+
+def test_quantize_from_gguf_with_int8_activations(tmp_path):
+    model = _tiny_qwen2()
+    _write_gguf(model, tmp_path / "tiny.gguf")
+    reference = _tiny_qwen2()
+    reference.load_state_dict(model.state_dict())
+    model.to(torch.bfloat16)
+    counts = quantize_from_gguf(model, tmp_path / "tiny.gguf", activations="int8")
+    assert counts["w4a8 (gguf Q4_K)"] == 10 and counts["w8a8"] == 2 * 2 + 1  # v, down per layer; the LM head
+    assert type(model.model.layers[0].self_attn.q_proj) is W4A8Linear
+    assert type(model.model.layers[0].self_attn.v_proj) is W8A8Linear and type(model.lm_head) is W8A8Linear
+    ids = torch.randint(0, 96, (1, 12))
+    with torch.no_grad():
+        agree = (model(ids).logits.argmax(-1) == reference(ids).logits.argmax(-1)).float().mean()
+    assert agree > 0.7
+    with pytest.raises(ValueError, match="activations must be"):
+        quantize_from_gguf(_tiny_qwen2(), tmp_path / "tiny.gguf", activations="int4")
+
+
+def test_pacer_greedy_equals_w4a8_target():
+    """PACER over a W4A8 target (every linear layer on the VNNI kernels, exact attention) with an int4 draft:
+    token for token the W4A8 target's own greedy `generate`, several prompts, lengths and policies."""
+    target = enable_pacer(make_exact(quantize_linears(_tiny_qwen2(seed=0).to(torch.bfloat16), "w4a8")))
+    assert type(target.lm_head) is W4A8Linear
+    draft = _tiny_qwen2(seed=0)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(0.2 * p.std() * torch.randn_like(p))
+    draft = quantize_linears(draft.to(torch.bfloat16), "int4")
+    g = torch.Generator().manual_seed(1)
+    drafted = 0
+    for n in (1, 9, 30):
+        ids = torch.randint(0, 96, (1, n), generator=g)
+        for new in (5, 24):
+            expected = target.generate(ids, do_sample=False, max_new_tokens=new)
+            for policy in (FixedLength(2), FixedLength(8), "svip"):
+                out = target.generate(ids, assistant_model=draft, stopping_policy=policy, do_sample=False,
+                                      max_new_tokens=new, return_dict_in_generate=True)
+                assert out.sequences.tolist() == expected.tolist(), (n, new, policy)
+                drafted += sum(s.drafted for s in out.pacer_stats.steps)
+    assert drafted > 0
+
+
+def test_missing_kernels_are_a_clear_error(tmp_path, monkeypatch):
+    """Without the kernels (no compiler, no VNNI), asking for them names why and what runs instead."""
+    monkeypatch.setattr(kernels, "_load", lambda: (None, "no C++ compiler found (set $CXX or install g++)"))
+    assert not kernels.available() and "compiler" in kernels.unavailable_reason()
+    with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
+        W8A8Linear.from_linear(torch.nn.Linear(256, 16))(torch.randn(1, 256))
+    gguf = tmp_path / "t.gguf"
+    gguf.write_bytes(b"")
+    folder = tmp_path / "tiny"
+    _tiny_qwen2().save_pretrained(folder)
+    with pytest.raises(ValueError, match="w4a8.*no C\\+\\+ compiler.*'int4' runs on torch's kernels"):
+        load_pair(str(gguf), draft=str(folder), quantize_target="w4a8")
+
+
+def test_a_failing_build_says_why(tmp_path, monkeypatch):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("PACER_CACHE", str(tmp_path / "cache"))
+    library, why = kernels._load.__wrapped__()
+    assert library is None and "no-such-compiler" in why
+
+
+def test_exact_attention_kernel_is_the_torch_rows_computed_alone(monkeypatch):
+    """The C++ attention (bf16, one call per layer) against pacer_exact's torch ops, on Qwen2-1.5B's attention
+    shape with GQA, a sliding window and a padding row: the same attention to float rounding, and each row of
+    a block bitwise its single-query call."""
+    from modeling_pacer import exact_attention
+
+    class Attention(torch.nn.Module):
+        is_causal = True
+
+    g = torch.Generator().manual_seed(0)
+    past, k = 40, 8
+    q = torch.randn(1, 12, k, 128, generator=g).bfloat16()
+    key, value = (torch.randn(1, 2, past + k, 128, generator=g).bfloat16() for _ in range(2))
+    fn = exact_attention.exact_attention_forward
+    for window in (None, 16):
+        fast, _ = fn(Attention(), q, key, value, None, scaling=128**-0.5, sliding_window=window)
+        for i in range(k):
+            step, _ = fn(Attention(), q[:, :, i:i + 1], key[:, :, :past + i + 1], value[:, :, :past + i + 1], None,
+                         scaling=128**-0.5, sliding_window=window)
+            assert torch.equal(fast[:, i], step[:, 0]), (window, i)
+        with monkeypatch.context() as patched:
+            patched.setattr(exact_attention, "_kernel_applies", lambda *a: False)
+            slow, _ = fn(Attention(), q, key, value, None, scaling=128**-0.5, sliding_window=window)
+        assert fast.dtype == slow.dtype == torch.bfloat16
+        torch.testing.assert_close(fast.float(), slow.float(), rtol=2e-2, atol=2e-2)
+    lo, hi = torch.tensor([[0, 3]]), torch.tensor([[0, 9]])  # row 0: a padding query that sees nothing
+    out = kernels.exact_attention(q[:, :, :2], key[:, :, :9], value[:, :, :9], lo, hi, 0.1)
+    assert torch.equal(out[0, 0], torch.zeros(12, 128)) and bool(out[0, 1].abs().sum() > 0)
+    with pytest.raises(ValueError, match="bf16"):
+        kernels.exact_attention(q.float(), key, value, lo, hi, 0.1)
+
+
+def test_bias_and_bf16_output_are_torch_rounding():
+    """The kernels add the bias in float32 and round to bf16 to nearest even: bitwise what torch does with
+    their float32 output, so a bf16 model's layer gives the same numbers either way."""
+    torch.manual_seed(7)
+    x = torch.randn(5, 512, dtype=torch.bfloat16)
+    bias = torch.randn(48)
+    q4 = kernels.pack_q4k(torch.randint(0, 16, (48, 512)), torch.randint(0, 64, (48, 16)), torch.randint(0, 64, (48, 16)),
+                          torch.rand(48, 2) / 100, torch.rand(48, 2) / 100)
+    q8 = kernels.pack_q8(torch.randint(-127, 128, (48, 512)), torch.rand(48) / 100)
+    for matmul, parts in ((kernels.q4k_matmul, q4), (kernels.q8_matmul, q8)):
+        rows = kernels.QuantizedRows(x)
+        plain = matmul(rows, *parts, 48)
+        assert torch.equal(matmul(rows, *parts, 48, bias), plain + bias)
+        assert torch.equal(matmul(rows, *parts, 48, bias, torch.bfloat16), (plain + bias).to(torch.bfloat16))
+        with pytest.raises(ValueError, match="float32 or bfloat16"):
+            matmul(rows, *parts, 48, None, torch.float16)
+        with pytest.raises(ValueError, match="bias must be"):
+            matmul(rows, *parts, 48, bias.double())
