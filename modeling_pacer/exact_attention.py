@@ -41,6 +41,8 @@ linear layers' padding costs little in bf16 (a few rows cost about what one does
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -108,7 +110,23 @@ def _causal_ranges(rows: torch.Tensor, window: int | None, padded: bool) -> list
     return [None] * first_seen + list(zip(lo_l, hi_l))
 
 
+_LAST_RANGES = threading.local()  # .entry = ((mask, version, q_len, kv_len, window), ranges): this thread's last
+
+
 def _row_ranges(attention_mask, q_len: int, kv_len: int, window: int | None) -> list[list[tuple[int, int] | None]]:
+    """[`_read_row_ranges`], computed once per forward: every layer of a forward is handed the same mask
+    tensor (held here, so its identity cannot be reused by another tensor while it is remembered; an in-place
+    change bumps its version)."""
+    key = (attention_mask, None if attention_mask is None else attention_mask._version, q_len, kv_len, window)
+    last = getattr(_LAST_RANGES, "entry", None)
+    if last is not None and last[0][0] is key[0] and last[0][1:] == key[1:]:
+        return last[1]
+    ranges = _read_row_ranges(attention_mask, q_len, kv_len, window)
+    _LAST_RANGES.entry = (key, ranges)
+    return ranges
+
+
+def _read_row_ranges(attention_mask, q_len: int, kv_len: int, window: int | None) -> list[list[tuple[int, int] | None]]:
     """For each sequence of the batch and each query row, the range [lo, hi) of keys it attends to (None: a
     padding query that sees nothing; its output row is zeros and never read).
 
@@ -157,6 +175,12 @@ def exact_attention_forward(
     ranges = _row_ranges(attention_mask, q_len, kv_len, window)
 
     dtype = query.dtype
+    if _kernel_applies(query, key, value, softcap, dropout):
+        from . import kernels
+
+        spans = [[span or (0, 0) for span in sequence] for sequence in ranges]
+        bounds = torch.tensor(spans * batch if len(spans) == 1 else spans, dtype=torch.int64)  # (batch, q_len, 2)
+        return kernels.exact_attention(query, key, value, bounds[..., 0], bounds[..., 1], scaling).to(dtype), None
     # (batch, kv_heads, groups, q_len, head_dim): the query heads that share a key/value head, side by side
     q = query.reshape(batch, kv_heads, groups, q_len, head_dim)
     if len(ranges) == 1:  # one pattern for the whole batch (batch size 1, or equal sequences)
@@ -172,6 +196,20 @@ def exact_attention_forward(
                 out[b, i] = _attend(q[b : b + 1, :, :, i, :], key[b : b + 1, :, lo:hi, :], value[b : b + 1, :, lo:hi, :],
                                     scaling, softcap, dropout)[0].to(dtype)
     return out, None
+
+
+def _kernel_applies(query, key, value, softcap, dropout) -> bool:
+    """pacer's C++ kernel ([`modeling_pacer.kernels.exact_attention`]: one call per layer, each row computed alone
+    by fixed SIMD code) where it is built for this CPU, for bf16 without softcap or dropout; elsewhere the torch
+    ops below, one small matmul pair per row. Which one runs is fixed for a process, so a model's steps and
+    blocks always go through the same one."""
+    if softcap is not None or dropout > 0.0 or query.device.type != "cpu" or query.shape[-1] % 16 or query.shape[-1] > 256:
+        return False
+    if not all(t.dtype == torch.bfloat16 for t in (query, key, value)):
+        return False
+    from . import kernels
+
+    return kernels.available()
 
 
 def _attend(q_i, k_i, v_i, scaling, softcap, dropout) -> torch.Tensor:
