@@ -102,6 +102,29 @@ def _is_linear(module) -> bool:
     return "Linear" in type(module).__name__
 
 
+def weight_bytes(model) -> int:
+    """Bytes of weights a forward reads: every linear layer's parameters and buffers (packed codes, scales),
+    the norms' weights; not the embedding table (a lookup reads one row per token), though a LM head tied to
+    it counts (it is read in full). A tensor shared by two modules counts once."""
+    seen, total = set(), 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Embedding):
+            continue
+        for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+            if tensor is not None and tensor.data_ptr() not in seen and tensor.dim() > 0:
+                seen.add(tensor.data_ptr())
+                total += tensor.numel() * tensor.element_size()
+    return total  # a tied LM head shares the embedding's storage and counts here, as the linear layer it is
+
+
+def measure_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+    """This host's memory read bandwidth, bytes per second, now: the median of `repeats` sums over a `gib`-GiB
+    tensor (far larger than any cache), under torch's current thread count."""
+    data = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
+    seconds = interleaved_medians([lambda: data.sum()], repeats)[0]
+    return data.numel() * 4 / seconds
+
+
 def fixed_prefix(model, tokens: int = 128) -> torch.Tensor:
     """The `(1, tokens)` prefix every timing here runs after: fixed ids (only time is measured), so curves
     from different runs are comparable."""

@@ -10,7 +10,7 @@ from modeling_pacer import costs as costs_module
 from modeling_pacer.costs import CostModel, describe_model, host_costs, interleaved_medians
 from modeling_pacer.custom_generate.policies import DraftView, ExpectedThroughput, OnlineCalibration, make_policy
 
-from conftest import make_head, make_pair
+from conftest import make_head, make_model, make_pair
 
 
 def _counting(monkeypatch):
@@ -215,3 +215,23 @@ def test_a_curve_the_run_contradicts_is_dropped(tmp_path):
     assert len(list(tmp_path.glob("*.json"))) == 1
     assert forget_costs(target, draft, max_tokens=3, folder=tmp_path)
     assert not list(tmp_path.glob("*.json")) and not forget_costs(target, draft, max_tokens=3, folder=tmp_path)
+
+
+def test_weight_bytes_counts_what_a_forward_reads():
+    """Linear layers and norms, packed buffers included; not the embedding table, except where the LM head is
+    tied to it (then it is read in full, once)."""
+    from modeling_pacer.costs import weight_bytes
+    from modeling_pacer.quantization import quantize_linears
+
+    for tie in (False, True):
+        model = make_model("llama", seed=0, hidden=64)
+        if tie:
+            model.lm_head.weight = model.get_input_embeddings().weight
+        linear = sum(m.weight.numel() * 4 + (m.bias.numel() * 4 if m.bias is not None else 0)
+                     for m in model.modules() if isinstance(m, torch.nn.Linear))
+        norms = sum(p.numel() * 4 for n, p in model.named_parameters() if "norm" in n)
+        buffers = sum(b.numel() * b.element_size() for b in model.buffers())  # rotary frequencies
+        assert weight_bytes(model) == linear + norms + buffers, tie
+    before = weight_bytes(model)
+    quantize_linears(model.to(torch.bfloat16), "int4")  # packed 4-bit codes (bf16 scales): fewer bytes
+    assert weight_bytes(model) < before / 3

@@ -404,9 +404,13 @@ def test_bench_costs_command_measures_each_dtype_once_and_plots(tiny_folder, tmp
     assert main(argv) == 0 and len(calls) == 4  # this host's curves, read back
     assert main(argv + ["--split"]) == 0 and len(calls) == 4  # the split is measured, the curves still read back
     saved = json.loads((tmp_path / "out" / "costs.json").read_text())
-    split = saved["splits"]["bfloat16 exact"]["target"]
+    splits = saved["splits"]["bfloat16 exact"]
+    assert sorted(splits) == ["draft, 1 token", "target, 1 token", "target, 3 tokens"]
+    split = splits["target, 1 token"]
     assert split["linear"] > 0 and split["attention"] > 0 and split["total"] >= split["linear"] + split["attention"]
-    assert "Where a one-token step's time goes" in (tmp_path / "out" / "costs.md").read_text()
+    assert split["weight_bytes"] > 0 and saved["meta"]["bandwidth"] > 1e8
+    md = (tmp_path / "out" / "costs.md").read_text()
+    assert "Where a forward's time goes" in md and "| target, 3 tokens |" in md and "x |" in md
     with pytest.raises(SystemExit) as stopped:
         main(["costs", "--dtypes", "int3", "--out", str(tmp_path / "bad")])
     assert stopped.value.code == 2 and "--dtypes" in capsys.readouterr().err

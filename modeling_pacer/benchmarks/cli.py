@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "draft, head) for one or more target dtypes, cached, and plot them")
     add_pair_arguments(costs)
     costs.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"],
-                       help="target settings to measure (each loads the pair once): dtypes, or int4 / int4+int8 "
+                       help="target settings to measure (each loads the pair once): dtypes, or int4 / int4+int8 / w4a8 "
                             "(a bf16 target with 4-bit weights, as --quantize-target), e.g. bfloat16 int4 float32")
     costs.add_argument("--head", help="a PacerHead folder or repo id whose call is timed (default: the pair's head)")
     costs.add_argument("--max-tokens", type=_positive, default=12, help="verification forwards of 1..max-tokens tokens")
@@ -100,8 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="measure every dtype with and without exact verification (the cost of invariance)")
     costs.add_argument("--refresh", action="store_true", help="measure again even where this host's curve is cached")
     costs.add_argument("--split", action="store_true",
-                       help="also split a one-token step's time (target and draft) between linear layers, attention "
-                            "and the rest (norms, activations, Python), measured now (not cached)")
+                       help="also split the time of a target forward of 1 and 8 tokens and a draft step between linear "
+                            "layers, attention and the rest, beside the memory floor (weight bytes / this host's "
+                            "bandwidth), measured now (not cached)")
     costs.add_argument("--threads", type=_positive, help="torch CPU threads (default: torch's choice)")
     _add_output(costs, "costs-out")
 
@@ -152,7 +153,7 @@ def validate(args) -> None:
             raise ValueError("--methods must include 'target': every speedup is relative to the target alone.")
     if args.command == "agreement" and not args.quantize_target:
         raise ValueError("agreement compares a quantized target with its bf16 form: pass --quantize-target int4 "
-                         "(or int4+int8)")
+                         "(or int4+int8, w4a8)")
     if args.command in ("run", "costs", "agreement", "draft-agreement"):
         # the names, checked (nothing loads), and the draft setting that runs: the pair's own unless one is named
         args.quantize_draft = PairArguments(args.pair, args.target, args.draft, args.quantize_draft, args.quantize_target,
@@ -328,16 +329,17 @@ def run_costs(args) -> dict:
     from modeling_pacer.pairs import pair_from_args
     from modeling_pacer.pairs.loading import TARGET_QUANTIZATIONS
 
-    from ..costs import describe_host, fixed_prefix, host_costs, time_split
+    from ..costs import describe_host, fixed_prefix, host_costs, measure_bandwidth, time_split, weight_bytes
 
     head = _setup(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     curves = {}
     splits = {}
+    bandwidth = measure_bandwidth() if args.split else None
     quantize_target = args.quantize_target  # for the settings that are plain dtypes
     for dtype, exact in [(d, e) for d in args.dtypes for e in ((True, False) if args.compare_exact else (args.exact,))]:
-        quantized = dtype in TARGET_QUANTIZATIONS  # int4 / int4+int8: a bf16 target with 4-bit weights
+        quantized = dtype in TARGET_QUANTIZATIONS  # int4 / int4+int8 / w4a8: a bf16 target with 4-bit weights
         args.dtype, args.exact = ("bfloat16" if quantized else dtype), exact
         args.quantize_target = dtype if quantized else quantize_target
         pair = pair_from_args(args)
@@ -345,14 +347,18 @@ def run_costs(args) -> dict:
         costs = host_costs(pair.target, pair.draft, head, max_tokens=args.max_tokens, refresh=args.refresh)
         curves[label] = costs.to_dict()
         if args.split:
-            splits[label] = {role: time_split(model, fixed_prefix(model)) for role, model in
-                             (("target", pair.target), ("draft", pair.draft))}
+            splits[label] = {}
+            for role, model, tokens in (("target", pair.target, 1), ("target", pair.target, min(8, args.max_tokens)),
+                                        ("draft", pair.draft, 1)):
+                split = time_split(model, fixed_prefix(model), tokens=tokens)
+                split.update(tokens=tokens, weight_bytes=weight_bytes(model))
+                splits[label][f"{role}, {tokens} token{'s' if tokens > 1 else ''}"] = split
         print(f"pacer-bench costs: {label}: target " + ", ".join(
             f"{n}: {1000 * t:.0f}" for n, t in costs.target_forward.items()) + f" ms; draft {1000 * costs.draft_forward:.0f} ms",
             file=sys.stderr)
         del pair
     meta = dict(command="pacer-bench " + " ".join(shlex.quote(a) for a in sys.argv[1:]), host=describe_host(),
-                head=portable_path(args.head), quantize_draft=args.quantize_draft)
+                head=portable_path(args.head), quantize_draft=args.quantize_draft, bandwidth=bandwidth)
     (out / "costs.json").write_text(json.dumps(dict(curves=curves, splits=splits, meta=meta), indent=1, default=str))
     tokens = range(1, args.max_tokens + 1)
     lines = [f"Command: `{meta['command']}` (host CPU: {meta['host']['cpu']}, {meta['host']['threads']} threads)", "",
@@ -363,11 +369,18 @@ def run_costs(args) -> dict:
         lines.append(f"| {label} | " + " | ".join(f"{1000 * c['target_forward'][n]:.0f}" for n in tokens)
                      + f" | {1000 * c['draft_forward']:.0f} | {1000 * c['head_call']:.1f} |")
     if splits:
-        lines += ["", "Where a one-token step's time goes, ms (median of 5; linear layers, attention without its "
-                  "projections, the rest: norms, activations, embeddings, Python):", "",
-                  "| target setting | model | linear | attention | rest | total |", "|---|---|---|---|---|---|"]
-        lines += [f"| {label} | {role} | " + " | ".join(f"{1000 * t[k]:.1f}" for k in ("linear", "attention", "other", "total"))
-                  + " |" for label, roles in splits.items() for role, t in roles.items()]
+        lines += ["", "Where a forward's time goes, ms (median of 5; linear layers, attention without its projections, "
+                  "the rest: norms, activations, embeddings, Python), against the memory floor: the weights it reads "
+                  f"(every linear layer and norm, packed buffers included) over this host's read bandwidth measured "
+                  f"now ({bandwidth / 1e9:.1f} GB/s, a sum over 1 GiB):", "",
+                  "| target setting | model, forward | weights MB | floor | linear | attention | rest | total | total / floor |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for label, roles in splits.items():
+            for role, t in roles.items():
+                floor = t["weight_bytes"] / bandwidth
+                lines.append(f"| {label} | {role} | {t['weight_bytes'] / 1e6:.0f} | {1000 * floor:.1f} | "
+                             + " | ".join(f"{1000 * t[k]:.1f}" for k in ("linear", "attention", "other", "total"))
+                             + f" | {t['total'] / floor:.2f}x |")
     (out / "costs.md").write_text("\n".join(lines) + "\n")
     files = [out / "costs.json", out / "costs.md"]
     try:
