@@ -131,7 +131,7 @@ class Int8Linear(nn.Module):
 class W4A8Linear(nn.Module):
     """`y = x W^T + b` over a Q4_K weight kept exactly as the GGUF file stores it (`W = d * sc * q - dmin * m`,
     q in 0..15 in groups of 32, d and dmin per 256), with the activations quantized to int8 per row in blocks of
-    32 (llama.cpp's Q8_0), multiplied by pacer's VNNI kernel ([`modeling_pacer.kernels`]): integer sums,
+    256 (llama.cpp's Q8_K), multiplied by pacer's VNNI kernel ([`modeling_pacer.kernels`]): integer sums,
     each weight tile unpacked once for all the rows of a call, so a verification block of up to about 8 rows
     costs about one single-token step, and each row's result depends on that row alone."""
 
@@ -224,7 +224,7 @@ class W8A8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from . import kernels
 
-        rows = kernels.QuantizedRows(x.reshape(-1, self.in_features))
+        rows = kernels.QuantizedRows(x.reshape(-1, self.in_features), block=32)
         dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
         out = kernels.q8_matmul(rows, self.packed_weight, self.scales, self.out_features, self.bias, dtype)
         return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)

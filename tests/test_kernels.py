@@ -18,7 +18,7 @@ from test_quantization import _random_q4_k, _tiny_qwen2, _write_gguf
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"VNNI kernels: {kernels.unavailable_reason()}")
 
 
-def _quantized_activations(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+def _quantized_activations(x: torch.Tensor, block: int = 256) -> torch.Tensor:
     """The kernels' int8 activations, dequantized (float64): rint(x * 127 / amax) * amax / 127 per block."""
     rows = kernels.QuantizedRows(x, block)
     return (rows.q.double().reshape(x.shape[0], -1, block) * rows.scale.double()[..., None]).reshape(x.shape)
@@ -27,7 +27,7 @@ def _quantized_activations(x: torch.Tensor, block: int = 32) -> torch.Tensor:
 def test_activations_are_quantized_row_by_row():
     x = torch.randn(3, 512, dtype=torch.bfloat16) * torch.tensor([[1.0], [100.0], [0.01]], dtype=torch.bfloat16)
     x[2, 256:] = 0  # an all-zero block: scale 0, codes 0
-    rows = kernels.QuantizedRows(x, block=256)
+    rows = kernels.QuantizedRows(x)
     block = x.float().reshape(3, 2, 256)
     amax = block.abs().amax(-1)
     assert torch.equal(rows.scale, amax / 127)
@@ -35,8 +35,8 @@ def test_activations_are_quantized_row_by_row():
     assert torch.equal(rows.group_sums, rows.q.reshape(3, 16, 32).sum(-1, dtype=torch.int16))
     # within one code of x * 127 / amax, and row 1 unaffected by the other rows' magnitudes
     assert bool(((rows.q.float().reshape(3, 2, 256) - block * 127 / amax.clamp_min(1e-30)[..., None]).abs() <= 0.5001).all())
-    assert torch.equal(kernels.QuantizedRows(x[1:2], block=256).q[0], rows.q[1])
-    fine = kernels.QuantizedRows(x)  # the kernels' blocks: one scale per 32 inputs
+    assert torch.equal(kernels.QuantizedRows(x[1:2]).q[0], rows.q[1])
+    fine = kernels.QuantizedRows(x, block=32)  # the int8 weights' blocks: one scale per 32 inputs
     assert torch.equal(fine.scale, x.float().reshape(3, 16, 32).abs().amax(-1) / 127)
     assert torch.equal(fine.group_sums, fine.q.reshape(3, 16, 32).sum(-1, dtype=torch.int16))
     with pytest.raises(ValueError, match="divisible by 256"):
@@ -45,8 +45,8 @@ def test_activations_are_quantized_row_by_row():
         kernels.QuantizedRows(x, block=64)
     with pytest.raises(ValueError, match="blocks of 32"):
         kernels.q8_matmul(rows, *kernels.pack_q8(torch.zeros(16, 512), torch.ones(16)), 16)
-    with pytest.raises(ValueError, match="blocks of 32"):
-        kernels.q4k_matmul(rows, *kernels.pack_q4k(*(torch.zeros(16, n, dtype=torch.int64) for n in (512, 16, 16, 2, 2))), 16)
+    with pytest.raises(ValueError, match="blocks of 256"):
+        kernels.q4k_matmul(fine, *kernels.pack_q4k(*(torch.zeros(16, n, dtype=torch.int64) for n in (512, 16, 16, 2, 2))), 16)
 
 
 def test_w4a8_computes_the_q4_k_grid():
@@ -216,8 +216,8 @@ def test_bias_and_bf16_output_are_torch_rounding():
     q4 = kernels.pack_q4k(torch.randint(0, 16, (48, 512)), torch.randint(0, 64, (48, 16)), torch.randint(0, 64, (48, 16)),
                           torch.rand(48, 2) / 100, torch.rand(48, 2) / 100)
     q8 = kernels.pack_q8(torch.randint(-127, 128, (48, 512)), torch.rand(48) / 100)
-    for matmul, parts in ((kernels.q4k_matmul, q4), (kernels.q8_matmul, q8)):
-        rows = kernels.QuantizedRows(x)
+    for matmul, parts, block in ((kernels.q4k_matmul, q4, 256), (kernels.q8_matmul, q8, 32)):
+        rows = kernels.QuantizedRows(x, block)
         plain = matmul(rows, *parts, 48)
         assert torch.equal(matmul(rows, *parts, 48, bias), plain + bias)
         assert torch.equal(matmul(rows, *parts, 48, bias, torch.bfloat16), (plain + bias).to(torch.bfloat16))

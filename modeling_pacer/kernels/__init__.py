@@ -28,7 +28,7 @@ import torch
 
 SOURCE = Path(__file__).with_name("vnni_matmul.cpp")
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
-ABI = 5  # pacer_kernel_abi() of the source this module calls
+ABI = 6  # pacer_kernel_abi() of the source this module calls
 
 
 def _cpu_flags() -> str:
@@ -103,10 +103,10 @@ def _library() -> ctypes.CDLL:
 
 
 class QuantizedRows:
-    """A call's activations as the kernels read them: int8 rows in blocks of `block` inputs (32 for both
-    kernels; 256, llama.cpp's Q8_K, for comparison) with one scale per block, and the sum of each 32 codes."""
+    """A call's activations as the kernels read them: int8 rows in blocks of `block` inputs (256 for
+    [`q4k_matmul`], 32 for [`q8_matmul`]) with one scale per block, and the sum of each 32 codes."""
 
-    def __init__(self, x: torch.Tensor, block: int = 32):
+    def __init__(self, x: torch.Tensor, block: int = 256):
         if block not in (32, 256):
             raise ValueError(f"QuantizedRows: block must be 32 or 256, got {block}")
         if x.dim() != 2 or x.shape[1] % 256:
@@ -132,10 +132,10 @@ def _output(rows: int, n: int, bias, dtype) -> tuple[torch.Tensor, int, int]:
 
 def q4k_matmul(x: QuantizedRows, packed, sc, mn, dd, n: int, bias: torch.Tensor | None = None,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """`(rows, n)`: the rows of `x` (blocks of 32) times a Q4_K weight packed by `pack_q4k`, plus `bias` (float32),
+    """`(rows, n)`: the rows of `x` (blocks of 256) times a Q4_K weight packed by `pack_q4k`, plus `bias` (float32),
     computed in float32 and written as `dtype` (float32, or bfloat16 rounded to nearest even)."""
-    if x.block != 32:
-        raise ValueError("q4k_matmul reads activations quantized in blocks of 32")
+    if x.block != 256:
+        raise ValueError("q4k_matmul reads activations quantized in blocks of 256")
     out, bias_ptr, bf16 = _output(x.rows, n, bias, dtype)
     _library().pacer_q4k_matmul(packed.data_ptr(), sc.data_ptr(), mn.data_ptr(), dd.data_ptr(), n, x.k,
                                 x.q.data_ptr(), x.scale.data_ptr(), x.group_sums.data_ptr(), x.rows, bias_ptr, bf16,
@@ -183,9 +183,11 @@ def pack_q4k(codes: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor, d: torch.T
     c = codes.to(torch.uint8).reshape(t, 16, b, 8, 8, 4).permute(0, 2, 3, 4, 1, 5).reshape(t, b, 8, 8, 64)
     packed = (c[:, :, :, :4] | (c[:, :, :, 4:] << 4)).contiguous()
     tile = lambda v, per: v.reshape(t, 16, b, per).permute(0, 2, 3, 1).contiguous()  # noqa: E731
+    # the minima of groups 2p, 2p + 1 side by side per output: (t, b, 4, 16, 2)
+    mn_pairs = mn.to(torch.uint8).reshape(t, 16, b, 4, 2).permute(0, 2, 3, 1, 4).contiguous()
     # d and dmin as float16 (Q4_K stores them so: exact), (t, b, 2, 16)
     dd = torch.stack([d, dmin], dim=-1).to(torch.float16).reshape(t, 16, b, 2).permute(0, 2, 3, 1).contiguous()
-    return packed, tile(sc.to(torch.uint8), 8), tile(mn.to(torch.uint8), 8), dd.view(torch.int16)
+    return packed, tile(sc.to(torch.uint8), 8), mn_pairs, dd.view(torch.int16)
 
 
 def pack_q8(codes: torch.Tensor, scale: torch.Tensor):

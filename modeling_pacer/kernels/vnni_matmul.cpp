@@ -7,13 +7,12 @@
 // the same order whatever the call's size and the thread count (threads split the outputs, never the
 // sum over k): a row's result depends on the row alone, by construction, on every CPU that runs this file.
 //
-// Activations: each row is quantized in blocks of 32 inputs to int8, xq = rint(x * 127 / amax), with one float
-// scale sx = amax / 127 per block (llama.cpp's Q8_0; blocks of 256, its Q8_K, stayed measurably further from
-// bf16). Weights:
+// Activations: each row is quantized in blocks of inputs to int8, xq = rint(x * 127 / amax), with one float
+// scale sx = amax / 127 per block: 256 for the Q4_K weights (llama.cpp's Q8_K), 32 for the int8 ones. Weights:
 //   Q4_K (the GGUF grid, unchanged):  w = d * sc[g] * q - dmin * m[g], q in 0..15, per super-block of 256
 //     inputs (d, dmin float) and group g of 32 (sc, m 6-bit integers), so for one row and one super-block
-//       sum_k x w = d * sum_g sx[g] * sc[g] * (sum_{k in g} xq q) - dmin * sum_g m[g] * sx[g] * (sum_{k in g} xq)
-//     with the inner sums integers.
+//       sum_k x w = sx * (d * sum_g sc[g] * (sum_{k in g} xq q) - dmin * sum_g m[g] * (sum_{k in g} xq))
+//     with both inner sums integers.
 //   int8, one scale per output:       w = s * q, q in -127..127:  sum_k x w = s * sum_blocks sx * sum xq q,
 //     computed as u8 x s8 with q + 128 and the correction 128 * sum xq.
 // Built by modeling_pacer/kernels/__init__.py with -march=native -ffp-contract=off (no fused or reordered
@@ -27,7 +26,7 @@
 #include <immintrin.h>
 #endif
 
-extern "C" int pacer_kernel_abi() { return 5; }
+extern "C" int pacer_kernel_abi() { return 6; }
 
 #ifdef PACER_VNNI
 extern "C" int pacer_vnni_available() { return 1; }
@@ -82,18 +81,17 @@ static inline int32_t load4(const int8_t* p) { int32_t v; std::memcpy(&v, p, 4);
 
 // Q4_K. For output tile t (16 outputs) and super-block b: packed[t][b][g][4][64] (zmm p: low nibbles = step p,
 // high = step p + 4; step j holds inputs 4j..4j+3 of group g for the 16 outputs, 4 bytes per output),
-// sc[t][b][g][16], mn[t][b][g][16] (uint8), dd[t][b][2][16] (float16: d, then dmin). Activations in blocks of 32:
-//   out += d * sum_g sx_g * (sc_g * isum_g) - dmin * sum_g mn_g * (sx_g * xs_g)     (isum_g = sum_{k in g} xq q)
+// sc[t][b][g][16] (uint8), mn[t][b][4][16][2] (uint8: the minima of groups 2p, 2p + 1 side by side, widened to
+// int16 pairs for vpdpwssd), dd[t][b][2][16] (float16: d, then dmin).
 // out (rows x 16, stride ldo, float) accumulates over the super-blocks; it starts at zero.
 template <int R>
 static void q4_tile(const uint8_t* packed, const uint8_t* sc, const uint8_t* mn, const uint16_t* dd,
                     const int8_t* xq, const float* sx, const int16_t* xs, int64_t k, int64_t blocks, float* out,
                     int64_t ldo) {
     const __m512i low = _mm512_set1_epi8(0x0F);
-    const int64_t groups = k / 32;
     for (int64_t b = 0; b < blocks; ++b) {
-        __m512 accd[R], accm[R];
-        for (int r = 0; r < R; ++r) { accd[r] = _mm512_setzero_ps(); accm[r] = _mm512_setzero_ps(); }
+        __m512i iacc[R];
+        for (int r = 0; r < R; ++r) iacc[r] = _mm512_setzero_si512();
         for (int g = 0; g < 8; ++g) {
             const uint8_t* p = packed + ((b * 8 + g) * 256);
             // the weights stream from memory: ask for those PREFETCH bytes ahead while this group computes
@@ -108,7 +106,6 @@ static void q4_tile(const uint8_t* packed, const uint8_t* sc, const uint8_t* mn,
                 w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
             }
             const __m512i scv = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(sc + (b * 8 + g) * 16)));
-            const __m512 mnf = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(mn + (b * 8 + g) * 16))));
             for (int r = 0; r < R; ++r) {
                 const int8_t* xr = xq + r * k + b * 256 + g * 32;
                 __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(load4(xr)));
@@ -117,23 +114,29 @@ static void q4_tile(const uint8_t* packed, const uint8_t* sc, const uint8_t* mn,
                     s0 = _mm512_dpbusd_epi32(s0, w[j], _mm512_set1_epi32(load4(xr + 4 * j)));
                     s1 = _mm512_dpbusd_epi32(s1, w[j + 1], _mm512_set1_epi32(load4(xr + 4 * j + 4)));
                 }
-                const float sxg = sx[r * groups + b * 8 + g];
-                const __m512 isum = _mm512_cvtepi32_ps(_mm512_mullo_epi32(_mm512_add_epi32(s0, s1), scv));
-                accd[r] = _mm512_fmadd_ps(_mm512_set1_ps(sxg), isum, accd[r]);
-                accm[r] = _mm512_fmadd_ps(mnf, _mm512_set1_ps(sxg * float(xs[r * groups + b * 8 + g])), accm[r]);
+                iacc[r] = _mm512_add_epi32(iacc[r], _mm512_mullo_epi32(_mm512_add_epi32(s0, s1), scv));
             }
         }
         const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(dd + b * 32)));
         const __m512 dminv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(dd + b * 32 + 16)));
         for (int r = 0; r < R; ++r) {
-            // out += d * accd - dmin * accm, in this order for every row
-            const __m512 t = _mm512_sub_ps(_mm512_mul_ps(dv, accd[r]), _mm512_mul_ps(dminv, accm[r]));
+            const int16_t* xsr = xs + r * (k / 32) + b * 8;
+            __m512i msum = _mm512_setzero_si512();
+            for (int q = 0; q < 4; ++q) {
+                const __m512i mnq = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(mn + (b * 4 + q) * 32)));
+                msum = _mm512_dpwssd_epi32(msum, mnq, _mm512_set1_epi32(load4((const int8_t*)(xsr + 2 * q))));
+            }
+            // out += sx * (d * isum - dmin * msum), in this order for every row
+            __m512 t = _mm512_sub_ps(_mm512_mul_ps(dv, _mm512_cvtepi32_ps(iacc[r])),
+                                     _mm512_mul_ps(dminv, _mm512_cvtepi32_ps(msum)));
             float* o = out + r * ldo;
-            _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), t));
+            _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), _mm512_mul_ps(_mm512_set1_ps(sx[r * blocks + b]), t)));
         }
     }
 }
 
+// int8. For tile t: packed[t][k / 32][8][64] (step j of group g: inputs 4j..4j+3 for the 16 outputs), the codes
+// + 128 as uint8; scale[t][16]. Activations in blocks of 32: (q + 128) . xq - 128 * sum xq = q . xq.
 template <int R>
 static void q8_tile(const uint8_t* packed, const float* scale, const int8_t* xq, const float* sx, const int16_t* xs,
                     int64_t k, float* out, int64_t ldo) {
@@ -187,7 +190,7 @@ static void finish(const float* acc, int64_t rows, const float* bias, void* out,
 static const int64_t ROW_BLOCK = 8;
 
 // out: (m, n), float or (out_bf16) bf16, plus bias (n floats) unless null. xq, sx, xs from pacer_quantize_rows
-// with block 32.
+// with block 256.
 extern "C" void pacer_q4k_matmul(const uint8_t* packed, const uint8_t* sc, const uint8_t* mn, const uint16_t* dd,
                                  int64_t n, int64_t k, const int8_t* xq, const float* sx,
                                  const int16_t* xs, int64_t m, const float* bias, int out_bf16, void* out) {
@@ -202,7 +205,7 @@ extern "C" void pacer_q4k_matmul(const uint8_t* packed, const uint8_t* sc, const
             const int64_t rows = m - r0 < ROW_BLOCK ? m - r0 : ROW_BLOCK;
             float acc[ROW_BLOCK * 16];
             std::memset(acc, 0, sizeof acc);
-            PACER_ROWS(q4_tile, pt, sct, mnt, ddt, xq + r0 * k, sx + r0 * (k / 32), xs + r0 * (k / 32), k, blocks, acc, 16)
+            PACER_ROWS(q4_tile, pt, sct, mnt, ddt, xq + r0 * k, sx + r0 * blocks, xs + r0 * (k / 32), k, blocks, acc, 16)
             finish(acc, rows, bias ? bias + t * 16 : nullptr, out, out_bf16, r0 * n + t * 16, n);
         }
     }
