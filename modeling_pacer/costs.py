@@ -111,7 +111,7 @@ def weight_bytes(model) -> int:
         if isinstance(module, torch.nn.Embedding):
             continue
         for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
-            if tensor is not None and tensor.data_ptr() not in seen and tensor.dim() > 0:
+            if tensor.data_ptr() not in seen and tensor.dim() > 0:
                 seen.add(tensor.data_ptr())
                 total += tensor.numel() * tensor.element_size()
     return total  # a tied LM head shares the embedding's storage and counts here, as the linear layer it is

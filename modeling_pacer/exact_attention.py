@@ -47,6 +47,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from . import kernels
 from .exact_linear import exact_linears
 
 NAME = "pacer_exact"
@@ -176,8 +177,6 @@ def exact_attention_forward(
 
     dtype = query.dtype
     if _kernel_applies(query, key, value, softcap, dropout):
-        from . import kernels
-
         spans = [[span or (0, 0) for span in sequence] for sequence in ranges]
         bounds = torch.tensor(spans * batch if len(spans) == 1 else spans, dtype=torch.int64)  # (batch, q_len, 2)
         return kernels.exact_attention(query, key, value, bounds[..., 0], bounds[..., 1], scaling).to(dtype), None
@@ -207,8 +206,6 @@ def _kernel_applies(query, key, value, softcap, dropout) -> bool:
         return False
     if not all(t.dtype == torch.bfloat16 for t in (query, key, value)):
         return False
-    from . import kernels
-
     return kernels.available()
 
 

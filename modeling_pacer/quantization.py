@@ -28,6 +28,8 @@ import os
 import torch
 from torch import nn
 
+from . import kernels
+
 GROUP_SIZE = 32  # Q4_K's sub-block: 32 input weights share a scale and a minimum
 SUPER_BLOCK = 256  # Q4_K's super-block (one float16 d and dmin), and the W4A8/W8A8 activations' scale block
 OUT_MULTIPLE = 16  # the int4 kernel's packing takes output sizes divisible by 16
@@ -140,8 +142,6 @@ class W4A8Linear(nn.Module):
     def __init__(self, codes: torch.Tensor, sc: torch.Tensor, m: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor,
                  bias: torch.Tensor | None = None):
         super().__init__()
-        from . import kernels
-
         out_features, in_features = codes.shape
         groups, blocks = in_features // GROUP_SIZE, in_features // SUPER_BLOCK
         if in_features % SUPER_BLOCK or out_features % 16 or sc.shape != (out_features, groups) or \
@@ -182,8 +182,6 @@ class W4A8Linear(nn.Module):
         return cls(codes, sc, mn, d, dmin, linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from . import kernels
-
         rows = kernels.QuantizedRows(x.reshape(-1, self.in_features))
         dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32  # the bias is added in float32 either way
         out = kernels.q4k_matmul(rows, self.packed_weight, self.sub_scales, self.sub_minimums, self.super_scales,
@@ -203,8 +201,6 @@ class W8A8Linear(nn.Module):
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
-        from . import kernels
-
         self.out_features, self.in_features = codes.shape
         if self.in_features % SUPER_BLOCK or self.out_features % 16:
             raise ValueError(f"W8A8Linear: codes {tuple(codes.shape)} need in_features divisible by {SUPER_BLOCK} "
@@ -222,8 +218,6 @@ class W8A8Linear(nn.Module):
         return cls(torch.round(w / scales[:, None]).clamp_(-127, 127), scales, linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from . import kernels
-
         rows = kernels.QuantizedRows(x.reshape(-1, self.in_features), block=32)
         dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
         out = kernels.q8_matmul(rows, self.packed_weight, self.scales, self.out_features, self.bias, dtype)
@@ -332,8 +326,6 @@ def quantize_from_gguf(model: nn.Module, gguf_file: str | os.PathLike, *, other:
     if activations not in ("bfloat16", "int8"):
         raise ValueError(f"activations must be 'bfloat16' or 'int8', got {activations!r}")
     if activations == "int8":
-        from . import kernels
-
         if not kernels.available():
             raise RuntimeError(f"int8 activations need pacer's VNNI kernels: {kernels.unavailable_reason()}")
     int8 = activations == "int8"

@@ -31,16 +31,6 @@ FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-f
 ABI = 6  # pacer_kernel_abi() of the source this module calls
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def _cache_dir() -> Path:
     from ..pairs.registry import cache_root
 
@@ -59,7 +49,10 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError) as error:
         return None, f"{compiler} --version failed: {error}"
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, " ".join(FLAGS), _cpu_flags()]).encode())
+    from ..costs import cpuinfo_field
+
+    cpu_flags = cpuinfo_field("flags") or platform.processor()
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, " ".join(FLAGS), cpu_flags]).encode())
     target = _cache_dir() / f"vnni_matmul-{key.hexdigest()[:20]}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -175,7 +168,8 @@ def exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 def pack_q4k(codes: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor):
     """Q4_K's parts -> the kernel's layout. codes (n, k) in 0..15; sc, mn (n, k / 32) in 0..63; d, dmin (n, k / 256)
-    float, with w = d * sc * q - dmin * mn. Returns (packed, sc, mn, d, dmin) tiled by 16 outputs."""
+    float, with w = d * sc * q - dmin * mn. Returns (packed codes, sc, mn pairs, d and dmin as float16 bits), tiled
+    by 16 outputs in the layout `vnni_matmul.cpp`'s q4_tile reads."""
     n, k = codes.shape
     if n % 16 or k % 256:
         raise ValueError(f"pack_q4k: needs n divisible by 16 and k by 256, got {n} x {k}")

@@ -2,7 +2,7 @@
 //
 // y[r, n] = sum_k x[r, k] w[n, k] for a few rows r (a decoding step, a verification block). The weights are
 // read once per call whatever the number of rows: each 16-output x 32-input tile is unpacked into registers
-// once and multiplied into every row of the call (vpdpbusd: 64 u8 x s8 products a cycle), so up to ~8 rows
+// once and multiplied into every row of the call (vpdpbusd: 64 u8 x s8 products an instruction), so up to ~8 rows
 // cost about one weight read. Integer sums are exact, and every row goes through the same instructions in
 // the same order whatever the call's size and the thread count (threads split the outputs, never the
 // sum over k): a row's result depends on the row alone, by construction, on every CPU that runs this file.
@@ -30,13 +30,6 @@ extern "C" int pacer_kernel_abi() { return 6; }
 
 #ifdef PACER_VNNI
 extern "C" int pacer_vnni_available() { return 1; }
-
-static inline float bf16_to_float(uint16_t v) {
-    uint32_t bits = uint32_t(v) << 16;
-    float f;
-    std::memcpy(&f, &bits, 4);
-    return f;
-}
 
 // x: (m, k) bf16 -> xq: (m, k) int8, quantized per block of `block` (32 or 256) inputs; sx: (m, k / block) float;
 // xs: (m, k / 32) int16 (the sum of each group of 32 codes, |xs| <= 32 * 127).
