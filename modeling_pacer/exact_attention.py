@@ -117,8 +117,10 @@ _LAST_RANGES = threading.local()  # .entry = ((mask, version, q_len, kv_len, win
 def _row_ranges(attention_mask, q_len: int, kv_len: int, window: int | None) -> list[list[tuple[int, int] | None]]:
     """[`_read_row_ranges`], computed once per forward: every layer of a forward is handed the same mask
     tensor (held here, so its identity cannot be reused by another tensor while it is remembered; an in-place
-    change bumps its version)."""
-    key = (attention_mask, None if attention_mask is None else attention_mask._version, q_len, kv_len, window)
+    change bumps its version; an inference tensor, made under `torch.inference_mode()`, has no version counter:
+    its identity alone, as transformers builds a fresh mask for every forward and never edits it in place)."""
+    version = None if attention_mask is None or attention_mask.is_inference() else attention_mask._version
+    key = (attention_mask, version, q_len, kv_len, window)
     last = getattr(_LAST_RANGES, "entry", None)
     if last is not None and last[0][0] is key[0] and last[0][1:] == key[1:]:
         return last[1]
@@ -233,6 +235,21 @@ def make_exact(model: torch.nn.Module, rows=None) -> torch.nn.Module:
     Returns the model."""
     model.set_attn_implementation(NAME)
     return exact_linears(model, rows)
+
+
+def kernel_attention(model: torch.nn.Module) -> bool:
+    """`attn_implementation="pacer_exact"` on a model whose attention pacer's C++ kernel computes (bf16 weights on
+    CPU, a head size it takes, the kernels built for this CPU), for speed alone: for one query row (a draft's
+    decoding step) the kernel is one call per layer against `sdpa`'s flash path, which costs about 150 us per
+    layer there. Linear layers are left as they are. Used on the draft, whose numerics change which tokens it
+    proposes, never the output. Returns whether it was set."""
+    config = model.config.get_text_config()
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    on_cpu = all(p.device.type == "cpu" for p in model.parameters())
+    if not on_cpu or model.dtype != torch.bfloat16 or head_dim % 16 or head_dim > 256 or not kernels.available():
+        return False
+    model.set_attn_implementation(NAME)
+    return True
 
 
 def register() -> None:

@@ -8,7 +8,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from modeling_pacer import FixedLength, enable_pacer, kernels
-from modeling_pacer.exact_attention import make_exact
+from modeling_pacer.exact_attention import kernel_attention, make_exact
 from modeling_pacer.exact_linear import row_runs
 from modeling_pacer.pairs import load_pair
 from modeling_pacer.quantization import W4A8Linear, W8A8Linear, q4_k_parts, quantize_from_gguf, quantize_linears
@@ -152,6 +152,25 @@ def test_pacer_greedy_equals_w4a8_target():
                 assert out.sequences.tolist() == expected.tolist(), (n, new, policy)
                 drafted += sum(s.drafted for s in out.pacer_stats.steps)
     assert drafted > 0
+
+
+def test_a_kernel_attention_draft_keeps_pacer_lossless():
+    """`kernel_attention` (what load_draft does to a bf16 draft) puts a bf16 CPU model on pacer's attention kernel,
+    leaves a float32 one alone, and PACER with such a draft is token for token the exact target's greedy output,
+    under `torch.inference_mode()` as under transformers' own `no_grad`."""
+    assert not kernel_attention(_tiny_qwen2(seed=1))  # float32: sdpa stays
+    draft = _tiny_qwen2(seed=1).to(torch.bfloat16)
+    assert kernel_attention(draft) and draft.config._attn_implementation == "pacer_exact"
+    target = enable_pacer(make_exact(_tiny_qwen2(seed=0).to(torch.bfloat16)))
+    g = torch.Generator().manual_seed(2)
+    for n in (1, 12):
+        ids = torch.randint(0, 96, (1, n), generator=g)
+        expected = target.generate(ids, do_sample=False, max_new_tokens=20)
+        for mode in (torch.no_grad, torch.inference_mode):
+            with mode():
+                out = target.generate(ids, assistant_model=draft, stopping_policy=FixedLength(4), do_sample=False,
+                                      max_new_tokens=20)
+            assert out.tolist() == expected.tolist(), (n, mode)
 
 
 def test_missing_kernels_are_a_clear_error(tmp_path, monkeypatch):
