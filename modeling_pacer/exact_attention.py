@@ -204,11 +204,15 @@ def _kernel_applies(query, key, value, softcap, dropout) -> bool:
     by fixed SIMD code) where it is built for this CPU, for bf16 without softcap or dropout; elsewhere the torch
     ops below, one small matmul pair per row. Which one runs is fixed for a process, so a model's steps and
     blocks always go through the same one."""
-    if softcap is not None or dropout > 0.0 or query.device.type != "cpu" or query.shape[-1] % 16 or query.shape[-1] > 256:
+    if softcap is not None or dropout > 0.0 or not all(t.dtype == query.dtype for t in (key, value)):
         return False
-    if not all(t.dtype == torch.bfloat16 for t in (query, key, value)):
-        return False
-    return kernels.available()
+    return _kernel_takes(query.shape[-1], query.dtype, query.device)
+
+
+def _kernel_takes(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """The C++ kernel computes attention of this head size, dtype and device (bf16 on a CPU it is built for)."""
+    return device.type == "cpu" and dtype == torch.bfloat16 and head_dim % 16 == 0 and head_dim <= 256 and \
+        kernels.available()
 
 
 def _attend(q_i, k_i, v_i, scaling, softcap, dropout) -> torch.Tensor:
@@ -245,8 +249,7 @@ def kernel_attention(model: torch.nn.Module) -> bool:
     proposes, never the output. Returns whether it was set."""
     config = model.config.get_text_config()
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    on_cpu = all(p.device.type == "cpu" for p in model.parameters())
-    if not on_cpu or model.dtype != torch.bfloat16 or head_dim % 16 or head_dim > 256 or not kernels.available():
+    if not all(p.device.type == "cpu" for p in model.parameters()) or not _kernel_takes(head_dim, model.dtype, model.device):
         return False
     model.set_attn_implementation(NAME)
     return True

@@ -283,9 +283,10 @@ def load_draft(source: ModelSource | str, dtype: torch.dtype, quantize_draft: st
             from ..quantization import quantize_linears
 
             draft_model = quantize_linears(draft_model, "int4")
-    from ..exact_attention import kernel_attention
+    if "attn_implementation" not in kwargs:  # one the caller names is kept
+        from ..exact_attention import kernel_attention
 
-    kernel_attention(draft_model)  # a bf16 draft on CPU: pacer's attention kernel, cheaper per step than sdpa's
+        kernel_attention(draft_model)  # a bf16 draft on CPU: pacer's attention kernel, cheaper per step than sdpa's
     return draft_model
 
 
