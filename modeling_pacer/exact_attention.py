@@ -41,6 +41,7 @@ linear layers' padding costs little in bf16 (a few rows cost about what one does
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
@@ -253,6 +254,23 @@ def kernel_attention(model: torch.nn.Module) -> bool:
         return False
     model.set_attn_implementation(NAME)
     return True
+
+
+@contextlib.contextmanager
+def any_mask_attention(model: torch.nn.Module):
+    """Within the block, a model on `pacer_exact` attention runs transformers' `sdpa` instead, which takes any 4-D
+    mask (a tree of drafts: [`modeling_pacer.replay`]'s continuations); pacer's attention takes causal masks only.
+    For a draft ([`kernel_attention`]: speed alone), never for an exact target, whose verification it would make
+    inexact. Other models are left as they are."""
+    previous = model.config.get_text_config()._attn_implementation
+    if previous != NAME:
+        yield model
+        return
+    model.set_attn_implementation("sdpa")
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(previous)
 
 
 def register() -> None:

@@ -19,6 +19,7 @@ from transformers import DynamicCache
 from .costs import CostModel
 from .custom_generate.generate import DecodeStep, cache_kwargs, crop_cache, entropy, model_forward
 from .custom_generate.policies import DraftView, StoppingPolicy
+from .exact_attention import any_mask_attention
 
 
 @dataclass
@@ -337,7 +338,12 @@ def record_trace(draft, target, input_ids: torch.Tensor, output: torch.Tensor, m
     correct = tf_tokens == target_choice
     match = _run_lengths(correct, max_draft)
     misses = torch.nonzero(~correct).flatten().tolist()
-    cont = _continuations(draft, cache, prefix, misses, tf_tokens[misses], max_draft - 1) if misses and max_draft > 1 else {}
+    cont = {}
+    if misses and max_draft > 1:
+        # a tree mask (all continuations in one forward) that a draft on pacer's causal attention kernel cannot
+        # take: those forwards run sdpa (features equal to the live draft's up to float rounding, as documented)
+        with any_mask_attention(draft):
+            cont = _continuations(draft, cache, prefix, misses, tf_tokens[misses], max_draft - 1)
 
     # draft tokens past the end of the output are never drafted (the budget stops them): left as zeros
     probs = torch.zeros(n, max_draft)

@@ -173,6 +173,25 @@ def test_a_kernel_attention_draft_keeps_pacer_lossless():
             assert out.tolist() == expected.tolist(), (n, mode)
 
 
+def test_a_kernel_attention_draft_records_traces():
+    """record_trace runs every draft's continuation past its miss in one forward under a tree mask, which pacer's
+    causal attention kernel refuses: a draft on the kernel (every bf16 CPU draft load_draft makes, hence
+    `pacer-bench run --record-traces` and pacer-train's recording) runs those forwards on sdpa and comes back
+    on the kernel."""
+    from modeling_pacer.replay import record_trace
+
+    draft = _tiny_qwen2(seed=1).to(torch.bfloat16)
+    assert kernel_attention(draft)
+    target = make_exact(_tiny_qwen2(seed=0).to(torch.bfloat16))
+    ids = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(3))
+    output = target.generate(ids, do_sample=False, max_new_tokens=24)[0, 9:]
+    trace = record_trace(draft, target, ids, output, 5, target_choice=output)
+    assert draft.config._attn_implementation == "pacer_exact"
+    assert int((trace.match == 0).sum()) > 0  # misses: continuations were drafted under the tree mask
+    budget = torch.arange(5)[None, :] < (len(output) - torch.arange(len(output)))[:, None]
+    assert bool(((trace.token_probs[budget] > 0) & (trace.token_probs[budget] <= 1)).all())
+
+
 def test_missing_kernels_are_a_clear_error(tmp_path, monkeypatch):
     """Without the kernels (no compiler, no VNNI), asking for them names why and what runs instead."""
     monkeypatch.setattr(kernels, "_load", lambda: (None, "no C++ compiler found (set $CXX or install g++)"))
