@@ -19,6 +19,7 @@ import torch
 from transformers import DynamicCache
 
 from .custom_generate.generate import crop_cache, model_forward
+from .draft_vocab import kept_tokens
 from .exact_linear import is_exact_linear
 from .pairs.registry import cache_root
 from .resources import write_json
@@ -213,6 +214,8 @@ def describe_model(model) -> dict | None:
         attn_implementation=getattr(config, "_attn_implementation", None),
         parameters=sum(p.numel() for p in model.parameters()),
         linears=linears,
+        # a draft whose LM head computes fewer tokens (modeling_pacer.draft_vocab) costs less per step
+        **({"kept_tokens": kept} if (kept := kept_tokens(model)) is not None else {}),
     )
 
 

@@ -157,7 +157,8 @@ def validate(args) -> None:
     if args.command in ("run", "costs", "agreement", "draft-agreement"):
         # the names, checked (nothing loads), and the draft setting that runs: the pair's own unless one is named
         args.quantize_draft = PairArguments(args.pair, args.target, args.draft, args.quantize_draft, args.quantize_target,
-                                            args.dtype, args.exact, args.aligned_draft).quantize_draft
+                                            args.dtype, args.exact, args.aligned_draft,
+                                            getattr(args, "draft_vocab", None)).quantize_draft
     if getattr(args, "aligned_draft", None) and not Path(args.aligned_draft).exists() \
             and not re.fullmatch(r"[\w.-]+/[\w.-]+", args.aligned_draft):
         raise ValueError(f"--aligned-draft {args.aligned_draft}: no such folder, and not a Hub repo id (org/name).")
@@ -270,7 +271,7 @@ def run(args) -> dict:
     meta = dict(command="pacer-bench " + " ".join(shlex.quote(a) for a in sys.argv[1:]), pair=pair.name,
                 head=portable_path(args.head), max_new_tokens=args.max_new_tokens, threads=torch.get_num_threads(),
                 quantize_draft=args.quantize_draft, aligned_draft=pair.aligned_draft, quantize_target=pair.quantize_target,
-                dtype=str(pair.dtype).removeprefix("torch."), exact=pair.exact,
+                draft_vocab=args.draft_vocab, dtype=str(pair.dtype).removeprefix("torch."), exact=pair.exact,
                 costs=costs.to_dict(), torch=torch.__version__,
                 sampling=dict(temperature=args.temperature, seed=args.seed) if args.do_sample else None,
                 failed=failures or None)
@@ -358,7 +359,8 @@ def run_costs(args) -> dict:
             file=sys.stderr)
         del pair
     meta = dict(command="pacer-bench " + " ".join(shlex.quote(a) for a in sys.argv[1:]), host=describe_host(),
-                head=portable_path(args.head), quantize_draft=args.quantize_draft, bandwidth=bandwidth)
+                head=portable_path(args.head), quantize_draft=args.quantize_draft, draft_vocab=args.draft_vocab,
+                bandwidth=bandwidth)
     (out / "costs.json").write_text(json.dumps(dict(curves=curves, splits=splits, meta=meta), indent=1, default=str))
     tokens = range(1, args.max_tokens + 1)
     lines = [f"Command: `{meta['command']}` (host CPU: {meta['host']['cpu']}, {meta['host']['threads']} threads)", "",

@@ -176,6 +176,7 @@ def load_pair(
     exact: bool = True,
     load_in_8bit_target: bool = False,
     aligned_draft: str | os.PathLike | None = None,
+    draft_vocab: int | None = None,
     pacer_cache: str | os.PathLike | None = None,
     **kwargs,
 ) -> LoadedPair:
@@ -208,6 +209,9 @@ def load_pair(
         aligned_draft: a LoRA adapter of the draft (a folder or Hub repo id, as `pacer-train align` writes
             it): merged into the draft's weights before any `quantize_draft`, so the aligned draft runs as
             fast as the plain one. Only speed changes: the target decides every token.
+        draft_vocab: the draft's LM head computes only this many tokens, the most frequent ones and every special
+            token ([`modeling_pacer.draft_vocab`]): a cheaper draft step; the others are never drafted. Only speed
+            changes: the target decides every token. None (default): the full vocabulary.
         pacer_cache: pacer cache (default `$PACER_CACHE` or `~/.cache/pacer`), used by registry GGUF pairs.
             (Named so that `cache_dir`, the Hub download cache, can still reach `from_pretrained`.)
         kwargs: more `from_pretrained` arguments for both models (e.g. `attn_implementation`, `cache_dir`);
@@ -251,11 +255,12 @@ def load_pair(
         make_exact(target)
     seconds["target"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    draft_model = load_draft(spec.draft, draft_dtype, quantize_draft, aligned_draft, **common, **kwargs)
-    seconds["draft"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
     tokenizer = load_tokenizer(spec.target, pacer_cache, pair_name=spec.name)
     seconds["tokenizer"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    draft_model = load_draft(spec.draft, draft_dtype, quantize_draft, aligned_draft, draft_vocab=draft_vocab,
+                             tokenizer=tokenizer, **common, **kwargs)
+    seconds["draft"] = time.perf_counter() - t0
     return LoadedPair(target, draft_model, tokenizer, spec.name, spec.target, spec.draft, seconds, dtype, exact,
                       quantize_target, None if aligned_draft is None else str(aligned_draft))
 
@@ -267,13 +272,20 @@ def default_draft_dtype(quantize_draft: str | None, dtype: torch.dtype | str) ->
 
 
 def load_draft(source: ModelSource | str, dtype: torch.dtype, quantize_draft: str | None = None,
-               aligned_draft: str | os.PathLike | None = None, **kwargs) -> torch.nn.Module:
-    """A draft as `load_pair` makes it: loaded in `dtype`, the `aligned_draft` adapter merged in, then its
-    Linear layers quantized (`quantize_draft`: one of DRAFT_QUANTIZATIONS, or None). `kwargs` go to
-    `load_model`."""
+               aligned_draft: str | os.PathLike | None = None, *, draft_vocab: int | None = None, tokenizer=None,
+               **kwargs) -> torch.nn.Module:
+    """A draft as `load_pair` makes it: loaded in `dtype`, the `aligned_draft` adapter merged in, its LM head
+    reduced to `draft_vocab` tokens (with `tokenizer`, whose special tokens it keeps), then its Linear layers
+    quantized (`quantize_draft`: one of DRAFT_QUANTIZATIONS, or None). `kwargs` go to `load_model`."""
+    if draft_vocab is not None and tokenizer is None:
+        raise ValueError("draft_vocab needs the tokenizer (its special tokens stay draftable)")
     draft_model = load_model(source, dtype=dtype, **kwargs)
     if aligned_draft is not None:
         draft_model = merge_adapter(draft_model, aligned_draft)
+    if draft_vocab is not None:
+        from ..draft_vocab import reduce_draft_vocabulary
+
+        reduce_draft_vocabulary(draft_model, draft_vocab, tokenizer=tokenizer)
     if quantize_draft:
         if any(p.device.type != "cpu" for p in draft_model.parameters()):
             raise ValueError("quantize_draft runs on CPU only (torch's int8/int4 kernels); the draft was placed elsewhere")
@@ -402,6 +414,12 @@ class PairArguments:
         metadata={"help": "a LoRA adapter of the draft (folder or Hub repo id, from `pacer-train align`), merged "
                           "into it before any --quantize-draft", "metavar": "ADAPTER"},
     )
+    draft_vocab: int | None = field(
+        default=None,
+        metadata={"help": "the draft's LM head computes only the N most frequent tokens (and every special token): "
+                          "a cheaper draft step, still lossless (the others are never drafted); default: the full "
+                          "vocabulary", "metavar": "N", "type": int},
+    )
 
     def __post_init__(self):
         unset = self.quantize_draft is None  # the pair's own setting, known once the pair is
@@ -410,6 +428,8 @@ class PairArguments:
         except ValueError:
             raise ValueError(f"--quantize-draft must be one of {(*DRAFT_QUANTIZATIONS, 'none')} (a recipe's true means "
                              f"int8, false none), got {self.quantize_draft!r}") from None
+        if self.draft_vocab is not None and int(self.draft_vocab) < 1:
+            raise ValueError(f"--draft-vocab must be a positive number of tokens, got {self.draft_vocab}")
         try:
             resolve_dtype(self.dtype)
         except ValueError as error:
@@ -440,7 +460,7 @@ def add_pair_arguments(parser: argparse.ArgumentParser) -> None:
     argparse parser, from [`PairArguments`]."""
     for f in dataclasses.fields(PairArguments):
         flag = "--" + f.name.replace("_", "-")
-        extra = {k: f.metadata[k] for k in ("choices", "nargs", "const", "metavar") if k in f.metadata}
+        extra = {k: f.metadata[k] for k in ("choices", "nargs", "const", "metavar", "type") if k in f.metadata}
         if f.type in (bool, "bool") and f.default is True:
             parser.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_false", help=f.metadata["help"])
         elif f.type in (bool, "bool"):
@@ -454,7 +474,8 @@ def pair_from_args(args, **kwargs) -> LoadedPair:
     # `PairArguments` has resolved the pair's default already: None there means none
     return load_pair(args.target or args.pair or DEFAULT_PAIR, args.draft, quantize_draft=args.quantize_draft or False,
                      quantize_target=args.quantize_target, dtype=args.dtype, exact=args.exact,
-                     aligned_draft=getattr(args, "aligned_draft", None), **kwargs)
+                     aligned_draft=getattr(args, "aligned_draft", None), draft_vocab=getattr(args, "draft_vocab", None),
+                     **kwargs)
 
 
 def _bnb_8bit_config():

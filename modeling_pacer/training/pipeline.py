@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from ..draft_vocab import kept_tokens
 from ..pairs.loading import DRAFT_QUANTIZATIONS
 from .arguments import RunArguments, held_out_count
 from .card import card_fields, describe_source, render_card
@@ -46,6 +47,9 @@ def trace_settings(pair, max_new_tokens: int, max_draft: int, target_probs: bool
                     max_new_tokens=max_new_tokens, max_draft=max_draft)
     if getattr(pair, "aligned_draft", None):  # a head belongs to one draft (kept out otherwise: older files match)
         settings["aligned_draft"] = pair.aligned_draft
+    kept = kept_tokens(getattr(pair, "draft", None))
+    if kept is not None:  # a reduced draft vocabulary changes the draft's tokens and probabilities (likewise)
+        settings["draft_vocab"] = kept
     if target_probs:  # likewise: only a soft-label run's files say so
         settings["target_probs"] = True
     return settings
