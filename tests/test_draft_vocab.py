@@ -17,7 +17,7 @@ from modeling_pacer.draft_vocab import (
 from modeling_pacer.quantization import Int4Linear, quantize_linears
 
 from conftest import VOCAB, make_head, make_model, make_pair, word_tokenizer
-from test_sampling import PROMPT, RUNS, SETTINGS, V, _chi_square_p_value, _exact_distribution
+from test_sampling import RUNS, V, _chi_square_p_value, _exact_distribution, sample_outcomes
 
 
 @torch.no_grad()
@@ -140,17 +140,7 @@ def test_sampling_distribution_is_the_targets():
     keep = torch.tensor([0, 2, 3, 5])
     reduce_draft_vocabulary(draft, token_ids=keep)
     reduced_probs = _exact_distribution(draft)
-    head = make_head(draft, max_draft_length=8)
-    counts: dict[tuple[int, ...], int] = {}
-    drafted = accepted = 0
-    for seed in range(RUNS):
-        torch.manual_seed(seed)
-        out = target.generate(PROMPT, assistant_model=draft, pacer_head=head, stopping_policy=FixedLength(3),
-                              return_dict_in_generate=True, **SETTINGS)
-        outcome = tuple(out.sequences[0, PROMPT.shape[1]:].tolist())
-        counts[outcome] = counts.get(outcome, 0) + 1
-        drafted += sum(s.drafted for s in out.pacer_stats.steps)
-        accepted += sum(s.accepted for s in out.pacer_stats.steps)
+    counts, drafted, accepted = sample_outcomes(target, draft, make_head(draft, max_draft_length=8), lambda: FixedLength(3))
     assert 0 < accepted < drafted
     # tokens 1 and 4 appear in the output (the target's corrections), although the draft never proposes them
     assert any(t in (1, 4) for outcome in counts for t in outcome)

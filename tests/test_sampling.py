@@ -79,21 +79,25 @@ POLICIES = {
 }
 
 
-@pytest.mark.parametrize("policy_name", list(POLICIES))
-def test_sampling_distribution_is_the_targets(models, policy_name):
-    target, draft, target_probs, draft_probs = models
-    head = make_head(draft, max_draft_length=8)
+def sample_outcomes(target, draft, head, make_policy) -> tuple[dict[tuple[int, ...], int], int, int]:
+    """RUNS seeded PACER runs under SETTINGS: `(count of each 3-token outcome, tokens drafted, tokens accepted)`."""
     counts: dict[tuple[int, ...], int] = {}
     drafted = accepted = 0
     for seed in range(RUNS):
-        policy = POLICIES[policy_name]()
         torch.manual_seed(seed)
-        out = target.generate(PROMPT, assistant_model=draft, pacer_head=head, stopping_policy=policy,
+        out = target.generate(PROMPT, assistant_model=draft, pacer_head=head, stopping_policy=make_policy(),
                               return_dict_in_generate=True, **SETTINGS)
         outcome = tuple(out.sequences[0, PROMPT.shape[1]:].tolist())
         counts[outcome] = counts.get(outcome, 0) + 1
         drafted += sum(s.drafted for s in out.pacer_stats.steps)
         accepted += sum(s.accepted for s in out.pacer_stats.steps)
+    return counts, drafted, accepted
+
+
+@pytest.mark.parametrize("policy_name", list(POLICIES))
+def test_sampling_distribution_is_the_targets(models, policy_name):
+    target, draft, target_probs, draft_probs = models
+    counts, drafted, accepted = sample_outcomes(target, draft, make_head(draft, max_draft_length=8), POLICIES[policy_name])
     # the runs really exercised speculative sampling: drafts were both accepted and rejected
     assert 0 < accepted < drafted
     assert _chi_square_p_value(counts, target_probs, RUNS) > 1e-3
