@@ -467,7 +467,8 @@ def run_draft_agreement(args) -> dict:
     drafts = {"plain": pair.draft}
     if aligned:
         drafts["aligned"] = load_draft(pair.draft_source, default_draft_dtype(args.quantize_draft, pair.dtype),
-                                       args.quantize_draft, aligned, pair_name=pair.name)
+                                       args.quantize_draft, aligned, draft_vocab=args.draft_vocab,
+                                       tokenizer=pair.tokenizer, pair_name=pair.name)
     prompts = list(_prompts(args, pair.tokenizer))
     pad = pad_token_id(pair)
     size = args.batch_size if pair.exact else 1  # only an exact target's batched outputs are its own greedy outputs

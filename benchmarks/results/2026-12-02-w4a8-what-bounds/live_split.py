@@ -1,7 +1,9 @@
 """Where the live time goes, over the w4a8 target: the target alone against PACER (the default head's rule), on the
-30 benchmark prompts (10 each of HumanEval, GSM8K, MT-Bench; 96 new tokens; interleaved per prompt), every model
-forward timed: the target's prefill (its first forward, the prompt), the draft's prefill (its first forward), and
-the decoding forwards after them. Prints per-part seconds and the speedup with and without the prefills.
+30 benchmark prompts (10 each of HumanEval, GSM8K, MT-Bench; 96 new tokens; interleaved per prompt). PACER: every
+model forward of its loop timed: the target's prefill (its first forward, the prompt), the draft's prefill (its
+first forward), and the decoding forwards after them. The target alone runs transformers' own loop, so its prefill
+is estimated by one more forward of the prompt after the generation, subtracted from the generation's time.
+Prints per-part seconds and the speedup with and without the prefills.
 
 Run: python benchmarks/results/2026-12-02-w4a8-what-bounds/live_split.py > benchmarks/results/2026-12-02-w4a8-what-bounds/live_split.md
 """
