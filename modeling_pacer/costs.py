@@ -111,7 +111,9 @@ def weight_bytes(model) -> int:
     for module in model.modules():
         if isinstance(module, torch.nn.Embedding):
             continue
-        for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+        skip = getattr(module, "not_read_per_step", ())  # e.g. Int4Linear's dense copy, read by long calls only
+        buffers = [t for name, t in module.named_buffers(recurse=False) if name not in skip]
+        for tensor in [*module.parameters(recurse=False), *buffers]:
             if tensor.data_ptr() not in seen and tensor.dim() > 0:
                 seen.add(tensor.data_ptr())
                 total += tensor.numel() * tensor.element_size()
@@ -205,6 +207,7 @@ def describe_model(model) -> dict | None:
     config = getattr(model, "config", None)
     param = next(model.parameters(), None)
     linears = sorted({f"{type(m).__module__}.{type(m).__name__}:{'exact' if is_exact_linear(m) else 'plain'}"
+                      + (f":dense>={m.dense_rows}" if getattr(m, "dense_rows", None) is not None else "")
                       for m in model.modules() if "Linear" in type(m).__name__})
     return dict(
         name=str(getattr(config, "_name_or_path", "") or type(model).__name__),

@@ -299,6 +299,12 @@ def exact_linears(model: torch.nn.Module, rows: RowRange | tuple[int, int] | Non
     ([`host_row_range`]), probed on its first call under each thread count.
     """
     forced = None if rows is None else rows if isinstance(rows, RowRange) else RowRange(*rows)
+    dense = [name for name, m in model.named_modules() if getattr(m, "dense_rows", None) is not None]
+    if dense:
+        raise ValueError(
+            f"exact_linears: {dense[0]} (and {len(dense) - 1} more) runs long calls on a dense copy of its int4 weight "
+            "(dense_rows), so its rows depend on the call's size: a draft's option, never an exact model's"
+        )
     for module in model.modules():
         if exact_kind(module):
             module._pacer_rows = forced

@@ -23,6 +23,7 @@ requantized from the loaded weights with one int8 scale per output row ([`Int8Li
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -49,7 +50,7 @@ class Int4Linear(nn.Module):
     path); the output is cast back to the input's dtype."""
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                 bias: torch.Tensor | None = None, group_size: int = GROUP_SIZE):
+                 bias: torch.Tensor | None = None, group_size: int = GROUP_SIZE, dense_rows: int | None = None):
         super().__init__()
         if not int4_kernel_available():
             raise RuntimeError(f"torch {torch.__version__} has no CPU int4 weight-only kernel (needs torch>=2.6)")
@@ -73,9 +74,23 @@ class Int4Linear(nn.Module):
             "scales_and_zeros", torch.stack([scales.t(), zeros.t()], dim=-1).to(torch.bfloat16).contiguous()
         )
         self.register_buffer("bias", None if bias is None else bias.detach().to(torch.bfloat16).clone())
+        # calls of at least `dense_rows` rows (a draft's prompt) multiply by the dequantized weight in bf16: the
+        # int4 kernel costs in proportion to the rows, a dense matmul about one read of the weight. Not saved, and
+        # not counted as bytes a step reads (costs.weight_bytes); None: every call runs the int4 kernel (row-invariant)
+        if dense_rows is not None and dense_rows < 2:
+            raise ValueError(f"Int4Linear: dense_rows must be at least 2 (or None), got {dense_rows}")
+        self.dense_rows = dense_rows
+        dense = None
+        if dense_rows is not None:
+            grid = lambda t: t.to(torch.bfloat16).float().repeat_interleave(group_size, dim=1)  # noqa: E731
+            dense = ((codes.float() - 8) * grid(scales) + grid(zeros)).to(torch.bfloat16)
+        self.register_buffer("dense_weight", dense, persistent=False)
+
+    # buffers that a one-row step never reads (costs.weight_bytes skips them)
+    not_read_per_step = ("dense_weight",)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group_size: int = GROUP_SIZE) -> Int4Linear:
+    def from_linear(cls, linear: nn.Linear, group_size: int = GROUP_SIZE, dense_rows: int | None = None) -> Int4Linear:
         """Min-max (asymmetric) int4 of a float layer's weight: each group's 16 levels span its min..max."""
         w = linear.weight.detach().float()
         out_features, in_features = w.shape
@@ -84,18 +99,22 @@ class Int4Linear(nn.Module):
         scales = ((hi - lo) / 15).clamp_min(torch.finfo(torch.float32).tiny)
         codes = torch.round((g - lo[..., None]) / scales[..., None]).clamp_(0, 15)
         # w ~ codes * s + lo = (codes - 8) * s + (lo + 8 s)
-        return cls(codes.reshape(out_features, in_features), scales, lo + 8 * scales, linear.bias, group_size)
+        return cls(codes.reshape(out_features, in_features), scales, lo + 8 * scales, linear.bias, group_size, dense_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
+        if self.dense_rows is not None and flat.shape[0] >= self.dense_rows:
+            out = nn.functional.linear(flat, self.dense_weight, self.bias)
+            return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed_weight, self.group_size, self.scales_and_zeros)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:
+        dense = f", dense_rows={self.dense_rows}" if self.dense_rows is not None else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, " \
-               f"bias={self.bias is not None}"
+               f"bias={self.bias is not None}{dense}"
 
 
 class Int8Linear(nn.Module):
@@ -227,6 +246,22 @@ class W8A8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+@contextlib.contextmanager
+def kernel_rows_only(model: nn.Module):
+    """Within the block, `model`'s int4 layers run every call on the int4 kernel, their dense copies unused: a long
+    forward then gives each row bitwise what a one-row step gives (what a trace of decoding steps records,
+    [`modeling_pacer.replay.record_trace`])."""
+    layers = [m for m in model.modules() if isinstance(m, Int4Linear) and m.dense_rows is not None]
+    saved = [m.dense_rows for m in layers]
+    for m in layers:
+        m.dense_rows = None
+    try:
+        yield model
+    finally:
+        for m, rows in zip(layers, saved):
+            m.dense_rows = rows
+
+
 def w4a8_shape_ok(linear: nn.Linear) -> bool:
     """The VNNI kernels take this layer's shape (in_features divisible by 256, out_features by 16)."""
     return linear.in_features % SUPER_BLOCK == 0 and linear.out_features % 16 == 0
@@ -287,18 +322,23 @@ def int4_shape_ok(linear: nn.Linear) -> bool:
 LINEAR_KINDS = {"int4": Int4Linear, "int8": Int8Linear, "w4a8": W4A8Linear, "w8a8": W8A8Linear}
 
 
-def quantize_linears(model: nn.Module, kind: str = "int4") -> nn.Module:
+def quantize_linears(model: nn.Module, kind: str = "int4", *, dense_rows: int | None = None) -> nn.Module:
     """Every `nn.Linear` of `model` becomes a layer of `kind` (LINEAR_KINDS), in place: "int4" [`Int4Linear`]
     (min-max, groups of 32), "int8" [`Int8Linear`], "w4a8" [`W4A8Linear`] or "w8a8" [`W8A8Linear`] (the VNNI
     kernels: int8 activations). Layers of shapes the kernel does not take are left as they are. Returns the
     model. Used for the draft, whose numerics change speed, never the output, and for the layers of a GGUF
-    target that have no 4-bit grid of their own."""
+    target that have no 4-bit grid of their own. `dense_rows` ("int4" only; a draft's, never an exact target's:
+    it makes long calls compute rows differently): calls of that many rows or more run on the dequantized
+    weight in bf16 ([`Int4Linear`])."""
     if kind not in LINEAR_KINDS:
         raise ValueError(f"kind must be one of {sorted(LINEAR_KINDS)}, got {kind!r}")
+    if dense_rows is not None and kind != "int4":
+        raise ValueError(f"dense_rows is an option of kind='int4' only, got kind={kind!r}")
     shape_ok = {"int4": int4_shape_ok, "int8": lambda _: True}.get(kind, w4a8_shape_ok)
+    extra = {"dense_rows": dense_rows} if dense_rows is not None else {}
     for name, module in list(model.named_modules()):
         if type(module) is nn.Linear and shape_ok(module):
-            _replace(model, name, LINEAR_KINDS[kind].from_linear(module))
+            _replace(model, name, LINEAR_KINDS[kind].from_linear(module, **extra))
     return model
 
 

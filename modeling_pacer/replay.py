@@ -20,6 +20,7 @@ from .costs import CostModel
 from .custom_generate.generate import DecodeStep, cache_kwargs, crop_cache, entropy, model_forward
 from .custom_generate.policies import DraftView, StoppingPolicy
 from .exact_attention import any_mask_attention
+from .quantization import kernel_rows_only
 
 
 @dataclass
@@ -332,9 +333,21 @@ def record_trace(draft, target, input_ids: torch.Tensor, output: torch.Tensor, m
     if target_choice is None:
         target_choice = target(input_ids=ids[:, :-1].to(target.device)).logits[0, prefix - 1 :].argmax(-1).cpu()
     cache = DynamicCache(config=draft.config.get_text_config(decoder=True))
-    out = draft(input_ids=ids[:, :-1].to(draft.device), use_cache=True, output_hidden_states=True, **cache_kwargs(draft, cache))
-    tf_tokens, tf_probs, tf_entropy = _features(out.logits[0, prefix - 1 :].cpu())
-    tf_hidden = out.hidden_states[-1][0, prefix - 1 :].cpu()
+    # the draft reads what live decoding feeds it: its first forward the prompt and the first output token in
+    # one call (an int4 draft's long call runs on its dense copy, as live), then the rest of the output in one
+    # call computed row by row as its short decoding steps compute it (kernel_rows_only)
+    fed = min(prefix + 1, ids.shape[1] - 1)
+    first = draft(input_ids=ids[:, :fed].to(draft.device), use_cache=True, output_hidden_states=True,
+                  **cache_kwargs(draft, cache))
+    logits, hidden = [first.logits[0, prefix - 1 :]], [first.hidden_states[-1][0, prefix - 1 :]]
+    if fed < ids.shape[1] - 1:
+        with kernel_rows_only(draft):
+            rest = draft(input_ids=ids[:, fed:-1].to(draft.device), use_cache=True,
+                         output_hidden_states=True, **cache_kwargs(draft, cache))
+        logits.append(rest.logits[0])
+        hidden.append(rest.hidden_states[-1][0])
+    tf_tokens, tf_probs, tf_entropy = _features(torch.cat(logits).cpu())
+    tf_hidden = torch.cat(hidden).cpu()
     correct = tf_tokens == target_choice
     match = _run_lengths(correct, max_draft)
     misses = torch.nonzero(~correct).flatten().tolist()
@@ -342,7 +355,7 @@ def record_trace(draft, target, input_ids: torch.Tensor, output: torch.Tensor, m
     if misses and max_draft > 1:
         # a tree mask (all continuations in one forward) that a draft on pacer's causal attention kernel cannot
         # take: those forwards run sdpa (features equal to the live draft's up to float rounding, as documented)
-        with any_mask_attention(draft):
+        with any_mask_attention(draft), kernel_rows_only(draft):
             cont = _continuations(draft, cache, prefix, misses, tf_tokens[misses], max_draft - 1)
 
     # draft tokens past the end of the output are never drafted (the budget stops them): left as zeros

@@ -15,7 +15,7 @@ from modeling_pacer.exact_attention import make_exact
 from modeling_pacer.pairs import PairArguments, load_pair
 from modeling_pacer.pairs.loading import quantize_dynamic_int8
 from modeling_pacer.quantization import (
-    Int4Linear, Int8Linear, int4_kernel_available, q4_k_grid, quantize_from_gguf, quantize_linears,
+    Int4Linear, Int8Linear, int4_kernel_available, kernel_rows_only, q4_k_grid, quantize_from_gguf, quantize_linears,
 )
 
 from conftest import VOCAB, make_model
@@ -176,7 +176,40 @@ def test_int4_target_block_bitwise_equals_steps(arch):
     assert all(torch.equal(logits, steps[:, :k]) for k, logits in blocks.items())
 
 
-@pytest.mark.parametrize("draft_kind", ["int4", "int8"])
+def test_int4_dense_rows_runs_long_calls_on_the_dequantized_weight():
+    """`dense_rows`: calls below it are the int4 kernel's bitwise, calls from it on are a bf16 matmul by the
+    layer's own grid (close to the kernel's rows, not equal); the copy is no saved state and no bytes a step
+    reads; a layer with it is refused by exact_linears (its rows depend on the call's size)."""
+    from modeling_pacer.costs import weight_bytes
+    from modeling_pacer.exact_linear import exact_linears
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 64)
+    plain, dense = Int4Linear.from_linear(linear), Int4Linear.from_linear(linear, dense_rows=4)
+    x = torch.randn(9, 96, dtype=torch.bfloat16)
+    for n in (1, 2, 3):
+        assert torch.equal(dense(x[:n]), plain(x[:n]))
+    for n in (4, 9):
+        expected = torch.nn.functional.linear(x[:n], dense.dense_weight, dense.bias)
+        assert torch.equal(dense(x[:n]), expected)
+        torch.testing.assert_close(dense(x[:n]).float(), plain(x[:n]).float(), rtol=3e-2, atol=3e-2)
+    # the copy is the kernel's grid: multiplying the identity through the kernel gives it back
+    recovered = (plain(torch.eye(96)) - plain(torch.zeros(1, 96))).t().to(torch.bfloat16)
+    torch.testing.assert_close(dense.dense_weight.float(), recovered.float(), rtol=1e-2, atol=1e-3)
+    with kernel_rows_only(torch.nn.Sequential(dense)):  # how record_trace runs a draft's long forwards
+        assert torch.equal(dense(x), plain(x))
+    assert torch.equal(dense(x), torch.nn.functional.linear(x, dense.dense_weight, dense.bias))
+    assert "dense_weight" not in dense.state_dict() and weight_bytes(dense) == weight_bytes(plain)
+    assert "dense_rows=4" in repr(dense)
+    with pytest.raises(ValueError, match="at least 2"):
+        Int4Linear.from_linear(linear, dense_rows=1)
+    with pytest.raises(ValueError, match="kind='int4' only"):
+        quantize_linears(torch.nn.Sequential(torch.nn.Linear(96, 64)), "int8", dense_rows=8)
+    with pytest.raises(ValueError, match="dense_rows"):
+        exact_linears(torch.nn.Sequential(dense))
+
+
+@pytest.mark.parametrize("draft_kind", ["int4", "int4-dense", "int8"])
 def test_pacer_greedy_equals_int4_target(draft_kind):
     """PACER over an int4 target (every linear layer, LM head included) with an int4 or int8 draft: token for
     token the int4 target's own greedy `generate`, several prompts and lengths."""
@@ -186,7 +219,10 @@ def test_pacer_greedy_equals_int4_target(draft_kind):
     with torch.no_grad():
         for p in draft.parameters():
             p.add_(0.2 * p.std() * torch.randn_like(p))
-    draft = quantize_linears(draft.to(torch.bfloat16), "int4") if draft_kind == "int4" else quantize_dynamic_int8(draft)
+    if draft_kind == "int8":
+        draft = quantize_dynamic_int8(draft)
+    else:  # "int4-dense": prompts of 4 tokens or more are read with the dense copy (load_draft's prefill path)
+        draft = quantize_linears(draft.to(torch.bfloat16), "int4", dense_rows=4 if draft_kind == "int4-dense" else None)
     g = torch.Generator().manual_seed(1)
     drafted = 0
     for n in (1, 9):

@@ -271,12 +271,19 @@ def default_draft_dtype(quantize_draft: str | None, dtype: torch.dtype | str) ->
     return {"int8": torch.float32, "int4": torch.bfloat16}.get(quantize_draft, dtype)
 
 
+# an int4 draft reads a prompt of at least this many tokens with a dense bf16 copy of its weights: torch's int4
+# kernel costs in proportion to the rows, a bf16 matmul about one weight read (the two cross near 24 rows on an
+# AMD EPYC: benchmarks/results/2026-12-03-draft-dense-prefill); decoding steps (1-2 rows) stay int4
+DRAFT_DENSE_ROWS = 32
+
+
 def load_draft(source: ModelSource | str, dtype: torch.dtype, quantize_draft: str | None = None,
                aligned_draft: str | os.PathLike | None = None, *, draft_vocab: int | None = None, tokenizer=None,
-               **kwargs) -> torch.nn.Module:
+               dense_rows: int | None = DRAFT_DENSE_ROWS, **kwargs) -> torch.nn.Module:
     """A draft as `load_pair` makes it: loaded in `dtype`, the `aligned_draft` adapter merged in, its LM head
     reduced to `draft_vocab` tokens (with `tokenizer`, whose special tokens it keeps), then its Linear layers
-    quantized (`quantize_draft`: one of DRAFT_QUANTIZATIONS, or None). `kwargs` go to `load_model`."""
+    quantized (`quantize_draft`: one of DRAFT_QUANTIZATIONS, or None; an int4 draft runs calls of `dense_rows`
+    rows or more, its prompt, on a dense bf16 copy: None for int4 everywhere). `kwargs` go to `load_model`."""
     if draft_vocab is not None and tokenizer is None:
         raise ValueError("draft_vocab needs the tokenizer (its special tokens stay draftable)")
     draft_model = load_model(source, dtype=dtype, **kwargs)
@@ -294,7 +301,7 @@ def load_draft(source: ModelSource | str, dtype: torch.dtype, quantize_draft: st
         else:
             from ..quantization import quantize_linears
 
-            draft_model = quantize_linears(draft_model, "int4")
+            draft_model = quantize_linears(draft_model, "int4", dense_rows=dense_rows)
     if "attn_implementation" not in kwargs:  # one the caller names is kept
         from ..exact_attention import kernel_attention
 
