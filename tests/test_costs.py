@@ -235,3 +235,30 @@ def test_weight_bytes_counts_what_a_forward_reads():
     before = weight_bytes(model)
     quantize_linears(model.to(torch.bfloat16), "int4")  # packed 4-bit codes (bf16 scales): fewer bytes
     assert weight_bytes(model) < before / 3
+
+
+def test_a_fresh_curve_measured_under_load_is_measured_again(tmp_path, monkeypatch):
+    """host_costs(check=True) times the target's and the draft's steps once more after measuring a curve: when
+    either is more than STALE_RATIO off (the machine was busy during the measurement), it warns and measures the
+    curve again, and caches the second; when both agree, the first curve stands. measure_costs is replaced by a
+    scripted sequence, so the test does not depend on the machine's load."""
+    target, draft = make_pair("llama", "llama", "noisy")
+    busy = CostModel({1: 0.104, 2: 0.106, 3: 0.117}, 0.083)  # what a run measured under load on 2026-12-03
+    quiet = CostModel({1: 0.074, 2: 0.080, 3: 0.083}, 0.033)
+    script = [busy, quiet, quiet]  # the curve, the recheck, the curve measured again
+    calls = []
+
+    def measure(*args, **kwargs):
+        calls.append(args[4])  # max_tokens: the curve's, or 1 for the recheck
+        return script[len(calls) - 1]
+
+    monkeypatch.setattr(costs_module, "measure_costs", measure)
+    with pytest.warns(UserWarning, match="the machine was busy"):
+        got = host_costs(target, draft, max_tokens=3, repeats=1, folder=tmp_path, check=True)
+    assert calls == [3, 1, 3] and got.to_dict() == quiet.to_dict()
+    (saved,) = tmp_path.glob("*.json")
+    assert CostModel.from_dict(json.loads(saved.read_text())["costs"]).to_dict() == quiet.to_dict()
+
+    script[:], calls[:] = [quiet, quiet], []  # a quiet machine: the recheck agrees, the curve stands
+    got = host_costs(target, draft, max_tokens=3, repeats=1, folder=tmp_path, refresh=True, check=True)
+    assert calls == [3, 1] and got.to_dict() == quiet.to_dict()
