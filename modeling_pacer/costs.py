@@ -249,8 +249,12 @@ def curve_disagrees(costs: CostModel, drafted: list[int], target_seconds: float,
     in all) when it lies outside 1/limit..limit, else None."""
     if not drafted:
         return None
-    predicted = sum(costs.target(k + 1) for k in drafted)
-    ratio = target_seconds / predicted if predicted > 0 else float("inf")
+    return _ratio_outside(target_seconds, sum(costs.target(k + 1) for k in drafted), limit)
+
+
+def _ratio_outside(observed: float, predicted: float, limit: float = STALE_RATIO) -> float | None:
+    """observed / predicted when it lies outside 1/limit..limit, else None."""
+    ratio = observed / predicted if predicted > 0 else float("inf")
     return ratio if not 1 / limit <= ratio <= limit else None
 
 
@@ -311,8 +315,9 @@ def _recheck(costs: CostModel, target, draft, head, prefix, max_tokens: int, rep
     one-token steps again; if either is more than `STALE_RATIO` off the curve, measure the curve again, with a
     warning, and keep the second."""
     now = measure_costs(target, draft, None, prefix, 1, repeats=3)
-    ratios = [now.target(1) / costs.target(1), now.draft_forward / costs.draft_forward if costs.draft_forward > 0 else 1.0]
-    if all(1 / STALE_RATIO <= r <= STALE_RATIO for r in ratios):
+    target_off = curve_disagrees(costs, [0], now.target(1))  # the test a cached curve gets
+    draft_off = _ratio_outside(now.draft_forward, costs.draft_forward) if costs.draft_forward > 0 else None
+    if target_off is None and draft_off is None:
         return costs
     warnings.warn(
         f"the cost curve just measured says {1000 * costs.target(1):.0f} ms for one target token and "

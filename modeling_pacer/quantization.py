@@ -44,6 +44,13 @@ def int4_kernel_available() -> bool:
     return hasattr(ops, "_weight_int4pack_mm_for_cpu") and hasattr(ops, "_convert_weight_to_int4pack_for_cpu")
 
 
+def int4_grid(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int = GROUP_SIZE) -> torch.Tensor:
+    """The float32 weight `(codes - 8) * scales + zeros` of codes `(out, in)` with one scale and zero per group of
+    `group_size` inputs (`(out, in / group_size)`): the int4 kernel's convention."""
+    expand = lambda t: t.float().repeat_interleave(group_size, dim=1)  # noqa: E731
+    return (codes.float() - 8) * expand(scales) + expand(zeros)
+
+
 class Int4Linear(nn.Module):
     """`y = x W^T + b` with `W[n, k] = (codes[n, k] - 8) * scales[n, k // g] + zeros[n, k // g]`, codes in
     0..15, stored packed for `aten._weight_int4pack_mm_for_cpu`. Activations run in bf16 (the kernel's fast
@@ -81,9 +88,8 @@ class Int4Linear(nn.Module):
             raise ValueError(f"Int4Linear: dense_rows must be at least 2 (or None), got {dense_rows}")
         self.dense_rows = dense_rows
         dense = None
-        if dense_rows is not None:
-            grid = lambda t: t.to(torch.bfloat16).float().repeat_interleave(group_size, dim=1)  # noqa: E731
-            dense = ((codes.float() - 8) * grid(scales) + grid(zeros)).to(torch.bfloat16)
+        if dense_rows is not None:  # the grid the kernel computes with: its scales and zeros are bf16
+            dense = int4_grid(codes, scales.to(torch.bfloat16), zeros.to(torch.bfloat16), group_size).to(torch.bfloat16)
         self.register_buffer("dense_weight", dense, persistent=False)
 
     # buffers that a one-row step never reads (costs.weight_bytes skips them)
@@ -385,8 +391,8 @@ def quantize_from_gguf(model: nn.Module, gguf_file: str | os.PathLike, *, other:
         if check:
             # every 64th row (a permutation of rows or a wrong tensor shows on any of them; all rows cost seconds)
             rows = slice(None, None, 64)
-            s, z = (t[rows].repeat_interleave(GROUP_SIZE, 1) for t in (scales, zeros))
-            grid = (codes[rows].float() - 8) * s + z
+            grid = int4_grid(codes[rows], scales[rows], zeros[rows])
+            s = scales[rows].repeat_interleave(GROUP_SIZE, 1)
             loaded = linear.weight.detach()[rows].float()
             # the loaded weight is the same grid rounded to the model's dtype: allow that rounding and a little more
             tolerance = 1e-2 * loaded.abs() + 1e-6 + 4 * s * 2.0**-8
