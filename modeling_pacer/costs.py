@@ -208,6 +208,7 @@ def describe_model(model) -> dict | None:
     param = next(model.parameters(), None)
     linears = sorted({f"{type(m).__module__}.{type(m).__name__}:{'exact' if is_exact_linear(m) else 'plain'}"
                       + (f":dense>={m.dense_rows}" if getattr(m, "dense_rows", None) is not None else "")
+                      + (f":{m.kernel}-kernel" if getattr(m, "kernel", "torch") != "torch" else "")
                       for m in model.modules() if "Linear" in type(m).__name__})
     return dict(
         name=str(getattr(config, "_name_or_path", "") or type(model).__name__),

@@ -51,15 +51,27 @@ def int4_grid(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, gr
     return (codes.float() - 8) * expand(scales) + expand(zeros)
 
 
+INT4_KERNELS = ("torch", "pacer")
+
+
 class Int4Linear(nn.Module):
     """`y = x W^T + b` with `W[n, k] = (codes[n, k] - 8) * scales[n, k // g] + zeros[n, k // g]`, codes in
-    0..15, stored packed for `aten._weight_int4pack_mm_for_cpu`. Activations run in bf16 (the kernel's fast
-    path); the output is cast back to the input's dtype."""
+    0..15. Activations run in bf16; the output is cast back to the input's dtype. `kernel`: "torch" packs the
+    weight for `aten._weight_int4pack_mm_for_cpu` (an exact target's layers: tests and probes know its rows);
+    "pacer" for pacer's AVX-512 kernel ([`kernels.int4_matmul`], group size 32 only), which reads the same grid
+    in bf16 dot products: about twice torch's speed at one row on a 0.5B draft's shapes, rows still independent
+    of each other, results not bitwise torch's (a draft's choice: its numerics change speed, never the output)."""
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                 bias: torch.Tensor | None = None, group_size: int = GROUP_SIZE, dense_rows: int | None = None):
+                 bias: torch.Tensor | None = None, group_size: int = GROUP_SIZE, dense_rows: int | None = None,
+                 kernel: str = "torch"):
         super().__init__()
-        if not int4_kernel_available():
+        if kernel not in INT4_KERNELS:
+            raise ValueError(f"Int4Linear: kernel must be one of {INT4_KERNELS}, got {kernel!r}")
+        if kernel == "pacer" and (group_size != GROUP_SIZE or not kernels.available()):
+            raise ValueError(f"Int4Linear: kernel='pacer' needs group_size={GROUP_SIZE} and pacer's kernels "
+                             f"(group_size={group_size}; {kernels.unavailable_reason() or 'kernels available'})")
+        if kernel == "torch" and not int4_kernel_available():
             raise RuntimeError(f"torch {torch.__version__} has no CPU int4 weight-only kernel (needs torch>=2.6)")
         out_features, in_features = codes.shape
         groups = in_features // group_size
@@ -73,14 +85,20 @@ class Int4Linear(nn.Module):
         if int(codes.min()) < 0 or int(codes.max()) > 15:
             raise ValueError("Int4Linear: codes must lie in 0..15")
         self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
-        # packed (out_features, in_features / 2) uint8; the scales and zeros interleaved per group, as the kernel reads them
-        self.register_buffer(
-            "packed_weight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
-        )
-        self.register_buffer(
-            "scales_and_zeros", torch.stack([scales.t(), zeros.t()], dim=-1).to(torch.bfloat16).contiguous()
-        )
+        self.kernel = kernel
+        if kernel == "torch":
+            # packed (out_features, in_features / 2) uint8; the scales and zeros interleaved per group, as the kernel
+            # reads them
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
+            scales_and_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).to(torch.bfloat16).contiguous()
+        else:  # tiles of 16 outputs (kernels.pack_int4), the same bytes
+            packed, scales_and_zeros = kernels.pack_int4(codes, scales, zeros)
+        self.register_buffer("packed_weight", packed)
+        self.register_buffer("scales_and_zeros", scales_and_zeros)
         self.register_buffer("bias", None if bias is None else bias.detach().to(torch.bfloat16).clone())
+        # pacer's kernel adds the bias in float32 before its one rounding to bf16
+        self.register_buffer("bias_float", None if bias is None or kernel == "torch" else self.bias.float(),
+                             persistent=False)
         # calls of at least `dense_rows` rows (a draft's prompt) multiply by the dequantized weight in bf16: the
         # int4 kernel costs in proportion to the rows, a dense matmul about one read of the weight. Not saved, and
         # not counted as bytes a step reads (costs.weight_bytes); None: every call runs the int4 kernel (row-invariant)
@@ -96,7 +114,8 @@ class Int4Linear(nn.Module):
     not_read_per_step = ("dense_weight",)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group_size: int = GROUP_SIZE, dense_rows: int | None = None) -> Int4Linear:
+    def from_linear(cls, linear: nn.Linear, group_size: int = GROUP_SIZE, dense_rows: int | None = None,
+                    kernel: str = "torch") -> Int4Linear:
         """Min-max (asymmetric) int4 of a float layer's weight: each group's 16 levels span its min..max."""
         w = linear.weight.detach().float()
         out_features, in_features = w.shape
@@ -105,12 +124,16 @@ class Int4Linear(nn.Module):
         scales = ((hi - lo) / 15).clamp_min(torch.finfo(torch.float32).tiny)
         codes = torch.round((g - lo[..., None]) / scales[..., None]).clamp_(0, 15)
         # w ~ codes * s + lo = (codes - 8) * s + (lo + 8 s)
-        return cls(codes.reshape(out_features, in_features), scales, lo + 8 * scales, linear.bias, group_size, dense_rows)
+        return cls(codes.reshape(out_features, in_features), scales, lo + 8 * scales, linear.bias, group_size, dense_rows,
+                   kernel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
         if self.dense_rows is not None and flat.shape[0] >= self.dense_rows:
             out = nn.functional.linear(flat, self.dense_weight, self.bias)
+            return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        if self.kernel == "pacer":
+            out = kernels.int4_matmul(flat, self.packed_weight, self.scales_and_zeros, self.out_features, self.bias_float)
             return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed_weight, self.group_size, self.scales_and_zeros)
         if self.bias is not None:
@@ -120,7 +143,7 @@ class Int4Linear(nn.Module):
     def extra_repr(self) -> str:
         dense = f", dense_rows={self.dense_rows}" if self.dense_rows is not None else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, " \
-               f"bias={self.bias is not None}{dense}"
+               f"bias={self.bias is not None}{dense}, kernel={self.kernel}"
 
 
 class Int8Linear(nn.Module):
@@ -328,20 +351,25 @@ def int4_shape_ok(linear: nn.Linear) -> bool:
 LINEAR_KINDS = {"int4": Int4Linear, "int8": Int8Linear, "w4a8": W4A8Linear, "w8a8": W8A8Linear}
 
 
-def quantize_linears(model: nn.Module, kind: str = "int4", *, dense_rows: int | None = None) -> nn.Module:
+def quantize_linears(model: nn.Module, kind: str = "int4", *, dense_rows: int | None = None,
+                     int4_kernel: str = "torch") -> nn.Module:
     """Every `nn.Linear` of `model` becomes a layer of `kind` (LINEAR_KINDS), in place: "int4" [`Int4Linear`]
     (min-max, groups of 32), "int8" [`Int8Linear`], "w4a8" [`W4A8Linear`] or "w8a8" [`W8A8Linear`] (the VNNI
     kernels: int8 activations). Layers of shapes the kernel does not take are left as they are. Returns the
     model. Used for the draft, whose numerics change speed, never the output, and for the layers of a GGUF
     target that have no 4-bit grid of their own. `dense_rows` ("int4" only; a draft's, never an exact target's:
     it makes long calls compute rows differently): calls of that many rows or more run on the dequantized
-    weight in bf16 ([`Int4Linear`])."""
+    weight in bf16 ([`Int4Linear`]); `int4_kernel` ("int4" only): [`Int4Linear`]'s `kernel`."""
     if kind not in LINEAR_KINDS:
         raise ValueError(f"kind must be one of {sorted(LINEAR_KINDS)}, got {kind!r}")
     if dense_rows is not None and kind != "int4":
         raise ValueError(f"dense_rows is an option of kind='int4' only, got kind={kind!r}")
     shape_ok = {"int4": int4_shape_ok, "int8": lambda _: True}.get(kind, w4a8_shape_ok)
+    if int4_kernel != "torch" and kind != "int4":
+        raise ValueError(f"int4_kernel is an option of kind='int4' only, got kind={kind!r}")
     extra = {"dense_rows": dense_rows} if dense_rows is not None else {}
+    if int4_kernel != "torch":
+        extra["kernel"] = int4_kernel
     for name, module in list(model.named_modules()):
         if type(module) is nn.Linear and shape_ok(module):
             _replace(model, name, LINEAR_KINDS[kind].from_linear(module, **extra))

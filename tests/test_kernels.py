@@ -1,5 +1,5 @@
-"""pacer's VNNI kernels (modeling_pacer/kernels) and their layers (W4A8Linear, W8A8Linear): they compute their
-integer formula exactly, each output row is bitwise the same whatever the rows and threads of the call, a
+"""pacer's VNNI kernels (modeling_pacer/kernels) and their layers (W4A8Linear, W8A8Linear, Int4Linear with
+kernel="pacer"): they compute their formula (integer sums exactly, the int4 grid to float32 rounding), each output row is bitwise the same whatever the rows and threads of the call, a
 GGUF's Q4_K tensors are kept exactly, and PACER over a W4A8 target returns that target's own greedy output."""
 
 import pytest
@@ -11,7 +11,9 @@ from modeling_pacer import FixedLength, enable_pacer, kernels
 from modeling_pacer.exact_attention import kernel_attention, make_exact
 from modeling_pacer.exact_linear import row_runs
 from modeling_pacer.pairs import load_pair
-from modeling_pacer.quantization import W4A8Linear, W8A8Linear, q4_k_parts, quantize_from_gguf, quantize_linears
+from modeling_pacer.quantization import (
+    Int4Linear, W4A8Linear, W8A8Linear, int4_grid, q4_k_parts, quantize_from_gguf, quantize_linears,
+)
 
 from test_quantization import _random_q4_k, _tiny_qwen2, _write_gguf
 
@@ -91,14 +93,41 @@ def test_from_linear_error_is_bounded(kind):
     assert error < (0.08 if kind == "w4a8" else 0.02), float(error)
 
 
+def test_int4_kernel_computes_the_int4_grid():
+    """pacer's int4 kernel (a draft's layers): the grid (q - 8) * s + z, with s and z rounded to bf16 as torch's
+    kernel stores them, times the bf16 activations plus the float32 bias, to float32 rounding; its bf16 output is
+    that result rounded once; shapes it cannot take are refused by name."""
+    torch.manual_seed(7)
+    n, k = 48, 160
+    codes = torch.randint(0, 16, (n, k))
+    scales, zeros, bias = torch.rand(n, k // 32) / 100 + 1e-3, torch.randn(n, k // 32) / 100, torch.randn(n)
+    packed, scales_zeros = kernels.pack_int4(codes, scales, zeros)
+    assert packed.numel() == n * k // 2 and scales_zeros.numel() == 2 * n * k // 32  # torch's bytes
+    x = torch.randn(7, k, dtype=torch.bfloat16)
+    weight = int4_grid(codes, scales.to(torch.bfloat16), zeros.to(torch.bfloat16)).double()
+    expected = x.double() @ weight.t() + bias.double()
+    out = kernels.int4_matmul(x, packed, scales_zeros, n, bias, torch.float32)
+    assert out.dtype == torch.float32 and out.shape == (7, n)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+    assert torch.equal(kernels.int4_matmul(x, packed, scales_zeros, n, bias), out.to(torch.bfloat16))
+    layer = Int4Linear(codes, scales, zeros, bias, kernel="pacer")  # keeps its bias in bf16, as torch's kernel does
+    expected_layer = kernels.int4_matmul(x, packed, scales_zeros, n, bias.to(torch.bfloat16).float())
+    assert torch.equal(layer(x), expected_layer) and "kernel=pacer" in repr(layer)
+    with pytest.raises(ValueError, match="divisible by 16"):
+        kernels.pack_int4(codes[:40], scales[:40], zeros[:40])
+    with pytest.raises(ValueError, match="divisible by 32"):
+        kernels.int4_matmul(torch.randn(2, 100), packed, scales_zeros, n)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("cls", [W4A8Linear, W8A8Linear])
+@pytest.mark.parametrize("cls", [W4A8Linear, W8A8Linear, Int4Linear])
 def test_rows_do_not_depend_on_the_row_count_or_threads(cls, threads):
-    """Row i of an n-row call is bitwise the 1-row call on row i, for n up to 20 (across the kernel's blocks of
-    8 rows), under 1 and 2 threads, and the same under both."""
+    """Row i of an n-row call is bitwise the 1-row call on row i, for n up to 20 (across the kernels' blocks of
+    8 rows, or 4 for int4), under 1 and 2 threads, and the same under both."""
     before = torch.get_num_threads()
     torch.manual_seed(6)
-    layer = cls.from_linear(torch.nn.Linear(512, 336))
+    extra = {"kernel": "pacer"} if cls is Int4Linear else {}
+    layer = cls.from_linear(torch.nn.Linear(512, 336), **extra)
     x = torch.randn(20, 512, dtype=torch.bfloat16)
     try:
         torch.set_num_threads(1)

@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from modeling_pacer import FixedLength, enable_pacer
+from modeling_pacer import FixedLength, enable_pacer, kernels
 from modeling_pacer.exact_attention import make_exact
 from modeling_pacer.pairs import PairArguments, load_pair
 from modeling_pacer.pairs.loading import quantize_dynamic_int8
@@ -49,15 +49,20 @@ def test_q4_k_grid_is_gguf_dequantization():
         q4_k_grid(raw, 48, 256)
 
 
-def test_int4_linear_computes_its_grid():
+PACER_KERNEL = pytest.param("pacer", marks=pytest.mark.skipif(not kernels.available(),
+                                                              reason=f"pacer's kernels: {kernels.unavailable_reason()}"))
+
+
+@pytest.mark.parametrize("kernel", ["torch", PACER_KERNEL])
+def test_int4_linear_computes_its_grid(kernel):
     torch.manual_seed(0)
     codes = torch.randint(0, 16, (64, 96))
     scales, zeros = torch.rand(64, 3) * 0.01 + 1e-3, torch.randn(64, 3) * 0.01
     bias = torch.randn(64)
-    layer = Int4Linear(codes, scales, zeros, bias)
+    layer = Int4Linear(codes, scales, zeros, bias, kernel=kernel)
     x = torch.randn(5, 96)
-    sz = layer.scales_and_zeros.float()  # the bf16-rounded scales the kernel uses
-    weight = _grid_weight(codes, sz[..., 0].t(), sz[..., 1].t())
+    # the bf16-rounded scales and zeros both kernels use
+    weight = _grid_weight(codes, scales.to(torch.bfloat16).float(), zeros.to(torch.bfloat16).float())
     expected = x.to(torch.bfloat16).float() @ weight.t() + bias.to(torch.bfloat16).float()
     out = layer(x)
     assert out.dtype == torch.float32 and out.shape == (5, 64)
@@ -65,7 +70,14 @@ def test_int4_linear_computes_its_grid():
     with pytest.raises(ValueError, match="divisible"):
         Int4Linear(codes[:50], scales[:50], zeros[:50])
     with pytest.raises(ValueError, match="0..15"):
-        Int4Linear(codes + 1, scales, zeros)
+        Int4Linear(codes + 1, scales, zeros, kernel=kernel)
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        Int4Linear(codes, scales, zeros, kernel="cuda")
+    with pytest.raises(ValueError, match="int4_kernel is an option of kind='int4' only"):
+        quantize_linears(torch.nn.Sequential(torch.nn.Linear(96, 64)), "int8", int4_kernel="pacer")
+    if kernel == "pacer":
+        with pytest.raises(ValueError, match="group_size=32"):
+            Int4Linear(codes, scales[:, :1].repeat(1, 3)[:, :1], zeros[:, :1], group_size=96, kernel="pacer")
 
 
 @pytest.mark.parametrize("kind", ["int4", "int8"])
@@ -209,9 +221,11 @@ def test_int4_dense_rows_runs_long_calls_on_the_dequantized_weight():
         exact_linears(torch.nn.Sequential(dense))
 
 
-@pytest.mark.parametrize("draft_kind", ["int4", "int4-dense", "int8"])
+@pytest.mark.parametrize("draft_kind", ["int4", "int4-dense", "int8", pytest.param(
+    "int4-pacer", marks=pytest.mark.skipif(not kernels.available(), reason="pacer's kernels are not available"))])
 def test_pacer_greedy_equals_int4_target(draft_kind):
-    """PACER over an int4 target (every linear layer, LM head included) with an int4 or int8 draft: token for
+    """PACER over an int4 target (every linear layer, LM head included) with an int4 or int8 draft (int4 on
+    torch's kernel, with a dense prefill copy, or on pacer's kernel with it, as load_draft makes it): token for
     token the int4 target's own greedy `generate`, several prompts and lengths."""
     target = enable_pacer(make_exact(quantize_linears(_tiny_qwen2(seed=0).to(torch.bfloat16), "int4")))
     assert isinstance(target.lm_head, Int4Linear)
@@ -221,8 +235,9 @@ def test_pacer_greedy_equals_int4_target(draft_kind):
             p.add_(0.2 * p.std() * torch.randn_like(p))
     if draft_kind == "int8":
         draft = quantize_dynamic_int8(draft)
-    else:  # "int4-dense": prompts of 4 tokens or more are read with the dense copy (load_draft's prefill path)
-        draft = quantize_linears(draft.to(torch.bfloat16), "int4", dense_rows=4 if draft_kind == "int4-dense" else None)
+    else:  # "int4-dense", "int4-pacer": prompts of 4 tokens or more are read with the dense copy (load_draft's prefill)
+        draft = quantize_linears(draft.to(torch.bfloat16), "int4", dense_rows=None if draft_kind == "int4" else 4,
+                                 int4_kernel="pacer" if draft_kind == "int4-pacer" else "torch")
     g = torch.Generator().manual_seed(1)
     drafted = 0
     for n in (1, 9):
@@ -270,5 +285,7 @@ def test_load_pair_int4_draft(tmp_path):
                             ).save_pretrained(folder)
     pair = load_pair(str(folder), draft=str(folder), quantize_draft="int4", dtype="bfloat16")
     assert isinstance(pair.draft.lm_head, Int4Linear) and pair.draft.dtype == torch.bfloat16
+    # pacer's int4 kernel where this CPU runs it, torch's elsewhere
+    assert pair.draft.lm_head.kernel == ("pacer" if kernels.available() else "torch")
     assert type(pair.target.lm_head) is torch.nn.Linear and pair.quantize_target is None
     assert pair.setting == "bfloat16 exact"

@@ -1,11 +1,15 @@
-"""The VNNI weight-only kernels (`vnni_matmul.cpp`): compiled for this CPU on first use, cached, called through ctypes.
+"""pacer's CPU kernels (`vnni_matmul.cpp`): compiled for this CPU on first use, cached, called through ctypes.
 
 torch's CPU int4 and int8 weight-only kernels compute in float, one multiply-add per weight and row, so their
 cost grows with the rows of a call (a verification block of 8 tokens costs about 3.5 single steps over the
-4-bit target). These kernels quantize the activations to int8 and multiply with VNNI's integer dot products,
-unpacking each weight tile once for all the rows of the call: up to about 8 rows cost about one weight read.
-Integer sums are exact and each row runs the same instructions whatever the call's size or thread count, so
+4-bit target). The W4A8/W8A8 kernels quantize the activations to int8 and multiply with VNNI's integer dot
+products, unpacking each weight tile once for all the rows of a call: up to about 8 rows cost about one weight
+read. Integer sums are exact and each row runs the same instructions whatever the call's size or thread count, so
 their results are row-invariant by construction (still probed where they run, like every exact layer).
+
+[`int4_matmul`] is a draft's: torch's int4 grid (groups of 32) times bf16 activations, unquantized, in bf16 dot
+products (AVX512-BF16, else float multiply-adds); at one row on a 0.5B draft's shapes it runs at about twice the
+speed of torch's int4 kernel, which converts every weight to float.
 
 The file is compiled with the host's C++ compiler (`$CXX`, else `c++`) and `-march=native` into
 `~/.cache/pacer/kernels/`, keyed by the source, the compiler and the CPU; a host without AVX512-VNNI or
@@ -28,7 +32,7 @@ import torch
 
 SOURCE = Path(__file__).with_name("vnni_matmul.cpp")
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
-ABI = 6  # pacer_kernel_abi() of the source this module calls
+ABI = 7  # pacer_kernel_abi() of the source this module calls
 
 
 def _cache_dir() -> Path:
@@ -72,8 +76,9 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     library.pacer_q4k_matmul.argtypes = [p, p, p, p, i, i, p, p, p, i, p, ctypes.c_int, p]
     library.pacer_q8_matmul.argtypes = [p, p, i, i, p, p, p, i, p, ctypes.c_int, p]
     library.pacer_exact_attention.argtypes = [p, p, p, i, i, i, i, i, i, p, p, ctypes.c_float, p]
+    library.pacer_i4_matmul.argtypes = [p, p, i, i, p, i, p, ctypes.c_int, p]
     for f in (library.pacer_quantize_rows, library.pacer_q4k_matmul, library.pacer_q8_matmul,
-              library.pacer_exact_attention):
+              library.pacer_i4_matmul, library.pacer_exact_attention):
         f.restype = None
     return library, ""
 
@@ -148,6 +153,20 @@ def q8_matmul(x: QuantizedRows, packed, scale, n: int, bias: torch.Tensor | None
     return out
 
 
+def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, n: int,
+                bias: torch.Tensor | None = None, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """`(rows, n)`: the rows of `x` ((rows, k), taken as bf16) times an int4 weight packed by [`pack_int4`], plus
+    `bias` (float32), in float32 (activations unquantized), written as `dtype`. Each weight tile is unpacked once
+    for up to 4 rows; each row's result depends on that row alone."""
+    x = x.to(torch.bfloat16).contiguous()
+    if x.dim() != 2 or x.shape[1] % 32:
+        raise ValueError(f"int4_matmul: needs (rows, k) with k divisible by 32, got {tuple(x.shape)}")
+    out, bias_ptr, bf16 = _output(x.shape[0], n, bias, dtype)
+    _library().pacer_i4_matmul(packed.data_ptr(), scales_zeros.data_ptr(), n, x.shape[1], x.data_ptr(), x.shape[0],
+                               bias_ptr, bf16, out.data_ptr())
+    return out
+
+
 def exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
                     scaling: float) -> torch.Tensor:
     """pacer_exact attention in one call: `query` (B, H, M, D), `key`/`value` (B, KV, L, D), bf16; row (b, i)
@@ -182,6 +201,22 @@ def pack_q4k(codes: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor, d: torch.T
     # d and dmin as float16 (Q4_K stores them so: exact), (t, b, 2, 16)
     dd = torch.stack([d, dmin], dim=-1).to(torch.float16).reshape(t, 16, b, 2).permute(0, 2, 3, 1).contiguous()
     return packed, tile(sc.to(torch.uint8), 8), mn_pairs, dd.view(torch.int16)
+
+
+def pack_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor):
+    """int4 codes (n, k) in 0..15 with a scale and a zero per output and group of 32 inputs ((n, k / 32), as torch's
+    int4 kernel reads them: w = (q - 8) * s + z) -> (packed codes, scales and zeros as bf16 bits) in the tiles of 16
+    outputs `pacer_i4_matmul` reads: packed[t][g][c][o][e] = q[16t + o, 32g + 2c + e] | q[16t + o, 32g + 16 + 2c + e]
+    << 4 (c < 8, e < 2), scales_zeros[t][g] = (s of the 16 outputs, z of the 16 outputs)."""
+    n, k = codes.shape
+    if n % 16 or k % 32 or scales.shape != (n, k // 32) or zeros.shape != scales.shape:
+        raise ValueError(f"pack_int4: needs n divisible by 16, k by 32 and scales/zeros of shape (n, k / 32); got "
+                         f"codes {tuple(codes.shape)}, scales {tuple(scales.shape)}, zeros {tuple(zeros.shape)}")
+    t, g = n // 16, k // 32
+    c = codes.to(torch.uint8).reshape(t, 16, g, 2, 8, 2).permute(0, 2, 4, 1, 5, 3)  # (t, g, c, o, e, low/high)
+    packed = (c[..., 0] | (c[..., 1] << 4)).contiguous()
+    per_tile = lambda v: v.to(torch.bfloat16).reshape(t, 16, g).permute(0, 2, 1)  # noqa: E731
+    return packed, torch.stack([per_tile(scales), per_tile(zeros)], dim=2).contiguous().view(torch.int16)
 
 
 def pack_q8(codes: torch.Tensor, scale: torch.Tensor):

@@ -301,7 +301,12 @@ def load_draft(source: ModelSource | str, dtype: torch.dtype, quantize_draft: st
         else:
             from ..quantization import quantize_linears
 
-            draft_model = quantize_linears(draft_model, "int4", dense_rows=dense_rows)
+            from .. import kernels
+
+            # pacer's int4 kernel where this CPU runs it (about twice torch's speed at one row on a small draft's
+            # shapes: benchmarks/results/2026-12-03-draft-int4-kernel), else torch's
+            draft_model = quantize_linears(draft_model, "int4", dense_rows=dense_rows,
+                                           int4_kernel="pacer" if kernels.available() else "torch")
     if "attn_implementation" not in kwargs:  # one the caller names is kept
         from ..exact_attention import kernel_attention
 
