@@ -21,6 +21,7 @@ from transformers import DynamicCache
 from .custom_generate.generate import crop_cache, model_forward
 from .draft_vocab import kept_tokens
 from .exact_linear import is_exact_linear
+from .fused_draft import fused_layers
 from .pairs.registry import cache_root
 from .resources import write_json
 
@@ -220,6 +221,8 @@ def describe_model(model) -> dict | None:
         linears=linears,
         # a draft whose LM head computes fewer tokens (modeling_pacer.draft_vocab) costs less per step
         **({"kept_tokens": kept} if (kept := kept_tokens(model)) is not None else {}),
+        # a draft whose decoder layers take one-token steps in pacer's kernels (modeling_pacer.fused_draft)
+        **({"fused_layers": fused} if (fused := fused_layers(model)) else {}),
     )
 
 

@@ -1,5 +1,8 @@
 """Tiny random models built from a config, so the tests need no weights and run on a CPU in seconds."""
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -91,6 +94,15 @@ def narrow_rows(model, width: int = 4):
             probed = host_row_range(module) or RowRange(1, 1)
             module._pacer_rows = RowRange(probed.lo, min(probed.hi, probed.lo + width - 1))
     return model
+
+
+@pytest.fixture(autouse=True)
+def _cost_curves_in_tmp(monkeypatch, tmp_path_factory):
+    """The cost curves tests measure (tiny models' keys) go to this run's tmp folder, shared by its tests, never
+    to the user's ~/.cache/pacer/costs; the other caches (kernels, GGUF files) stay where they are."""
+    folder = tmp_path_factory.getbasetemp() / "pacer-cache"
+    monkeypatch.setattr("modeling_pacer.costs.cache_root", lambda pacer_cache=None: Path(
+        pacer_cache or os.environ.get("PACER_CACHE") or folder))  # a test's own PACER_CACHE is kept
 
 
 @pytest.fixture

@@ -32,7 +32,7 @@ import torch
 
 SOURCE = Path(__file__).with_name("vnni_matmul.cpp")
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
-ABI = 7  # pacer_kernel_abi() of the source this module calls
+ABI = 8  # pacer_kernel_abi() of the source this module calls
 
 
 def _cache_dir() -> Path:
@@ -77,9 +77,13 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     library.pacer_q8_matmul.argtypes = [p, p, i, i, p, p, p, i, p, ctypes.c_int, p]
     library.pacer_exact_attention.argtypes = [p, p, p, i, i, i, i, i, i, p, p, ctypes.c_float, p]
     library.pacer_i4_matmul.argtypes = [p, p, i, i, p, i, p, ctypes.c_int, p]
-    for f in (library.pacer_quantize_rows, library.pacer_q4k_matmul, library.pacer_q8_matmul,
-              library.pacer_i4_matmul, library.pacer_exact_attention):
-        f.restype = None
+    f = ctypes.c_float
+    library.pacer_draft_qkv.argtypes = [p, i, p, f, p, p, p, i, p, p, p]
+    library.pacer_draft_rest.argtypes = [p, p, p, i, i, i, i, f, p, i, p, f, p, i, p]
+    for fn in (library.pacer_quantize_rows, library.pacer_q4k_matmul, library.pacer_q8_matmul,
+               library.pacer_i4_matmul, library.pacer_exact_attention, library.pacer_draft_qkv,
+               library.pacer_draft_rest):
+        fn.restype = None
     return library, ""
 
 
@@ -164,6 +168,42 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tenso
     out, bias_ptr, bf16 = _output(x.shape[0], n, bias, dtype)
     _library().pacer_i4_matmul(packed.data_ptr(), scales_zeros.data_ptr(), n, x.shape[1], x.data_ptr(), x.shape[0],
                                bias_ptr, bf16, out.data_ptr())
+    return out
+
+
+class _I4Weight(ctypes.Structure):  # vnni_matmul.cpp's I4Weight
+    _fields_ = [("packed", ctypes.c_void_p), ("sz", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("n", ctypes.c_int64)]
+
+
+def _weights(layers) -> ctypes.Array:
+    """Int4Linear(kernel="pacer") layers as the C++ reads them (their buffers' addresses at this call)."""
+    return (_I4Weight * len(layers))(*(
+        _I4Weight(m.packed_weight.data_ptr(), m.scales_and_zeros.data_ptr(),
+                  0 if m.bias_float is None else m.bias_float.data_ptr(), m.out_features) for m in layers))
+
+
+def draft_qkv(hidden: torch.Tensor, norm: torch.Tensor, eps: float, projections, cos: torch.Tensor,
+              sin: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One token's `hidden` (bf16, contiguous) -> RMSNorm (`norm`, `eps`) -> the q, k, v `projections`
+    (Int4Linear(kernel="pacer")) -> rotary embeddings (`cos`, `sin`: bf16, `head_dim`). Returns q (1, heads, 1, d),
+    k and v (1, kv_heads, 1, d), bf16, as transformers' attention hands them to its cache."""
+    size = hidden.numel()
+    q, k, v = (torch.empty(1, m.out_features // head_dim, 1, head_dim, dtype=torch.bfloat16) for m in projections)
+    _library().pacer_draft_qkv(hidden.data_ptr(), size, norm.data_ptr(), eps, _weights(projections), cos.data_ptr(),
+                               sin.data_ptr(), head_dim, q.data_ptr(), k.data_ptr(), v.data_ptr())
+    return q, k, v
+
+
+def draft_rest(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, hidden: torch.Tensor,
+               norm: torch.Tensor, eps: float, projections) -> torch.Tensor:
+    """The rest of a decoder layer for one token: `q` (1, heads, 1, d) attends to all of `keys`/`values`
+    (1, kv_heads, length, d), then o_proj, the residual onto `hidden`, RMSNorm (`norm`, `eps`), the SiLU-gated
+    MLP and its residual. `projections`: o, gate, up, down (Int4Linear(kernel="pacer")). bf16 in and out."""
+    out = torch.empty_like(hidden)
+    _, heads, _, dim = q.shape
+    _library().pacer_draft_rest(q.data_ptr(), keys.data_ptr(), values.data_ptr(), heads, keys.shape[1], keys.shape[2],
+                                dim, scaling, hidden.data_ptr(), hidden.numel(), norm.data_ptr(), eps,
+                                _weights(projections), projections[1].out_features, out.data_ptr())
     return out
 
 

@@ -26,7 +26,7 @@
 #include <immintrin.h>
 #endif
 
-extern "C" int pacer_kernel_abi() { return 7; }
+extern "C" int pacer_kernel_abi() { return 8; }
 
 #ifdef PACER_VNNI
 extern "C" int pacer_vnni_available() { return 1; }
@@ -381,6 +381,108 @@ extern "C" void pacer_exact_attention(const uint16_t* q, const uint16_t* k, cons
         const __m512 tv = _mm512_set1_ps(total);
         for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_div_ps(ov[c], tv));
     }
+}
+
+// A draft's decoder layer (Llama / Qwen2: RMSNorm, rotary embeddings by rotate_half, grouped-query attention, a
+// SiLU-gated MLP) for one token, in two calls: the eager layer runs about forty small torch operators, each a
+// few microseconds of dispatch, where the arithmetic of one row takes less. Every linear layer is an int4 weight
+// read by i4_tile; every intermediate is rounded to bf16 where transformers' eager bf16 layer rounds it, so the
+// step follows that layer's numerics closely (not bitwise: float sums run in another order).
+static inline float bf2f(uint16_t b) {
+    const uint32_t u = uint32_t(b) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f2bf(float f) {  // round to nearest even, as torch converts; NaN stays NaN
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+    return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float round_bf(float f) { return bf2f(f2bf(f)); }
+
+// transformers' RMSNorm: weight * bf16(x * rsqrt(mean(x^2) + eps)), x in float
+static void rms_norm(const uint16_t* x, const uint16_t* w, int64_t n, float eps, uint16_t* out) {
+    float squares = 0.0f;
+    for (int64_t i = 0; i < n; ++i) squares += bf2f(x[i]) * bf2f(x[i]);
+    const float r = 1.0f / std::sqrt(squares / float(n) + eps);
+    for (int64_t i = 0; i < n; ++i) out[i] = f2bf(bf2f(w[i]) * round_bf(bf2f(x[i]) * r));
+}
+
+// x * cos + rotate_half(x) * sin per head, each product and the sum rounded to bf16 (apply_rotary_pos_emb)
+static void rotary(uint16_t* x, int64_t heads, int64_t d, const uint16_t* cos, const uint16_t* sin) {
+    const int64_t half = d / 2;
+    float out[512];
+    for (int64_t h = 0; h < heads; ++h) {
+        uint16_t* r = x + h * d;
+        for (int64_t j = 0; j < d; ++j) {
+            const float rot = j < half ? -bf2f(r[j + half]) : bf2f(r[j - half]);
+            out[j] = round_bf(bf2f(r[j]) * bf2f(cos[j])) + round_bf(rot * bf2f(sin[j]));
+        }
+        for (int64_t j = 0; j < d; ++j) r[j] = f2bf(out[j]);
+    }
+}
+
+struct I4Weight {  // one Int4Linear(kernel="pacer"): packed tiles, bf16 scales and zeros, float bias or null
+    const uint8_t* packed;
+    const uint16_t* sz;
+    const float* bias;
+    int64_t n;
+};
+
+static void i4_row(const I4Weight& w, const uint16_t* x, int64_t k, uint16_t* out) {
+    pacer_i4_matmul(w.packed, w.sz, w.n, k, x, 1, w.bias, 1, out);
+}
+
+// ws: q, k, v projections. h (hidden) -> q (heads * d), k and v (kv_heads * d), rotated, bf16.
+extern "C" void pacer_draft_qkv(const uint16_t* h, int64_t hidden, const uint16_t* norm, float eps, const I4Weight* ws,
+                                const uint16_t* cos, const uint16_t* sin, int64_t d, uint16_t* q, uint16_t* k,
+                                uint16_t* v) {
+    uint16_t* x = new uint16_t[hidden];
+    rms_norm(h, norm, hidden, eps, x);
+    i4_row(ws[0], x, hidden, q);
+    i4_row(ws[1], x, hidden, k);
+    i4_row(ws[2], x, hidden, v);
+    rotary(q, ws[0].n / d, d, cos, sin);
+    rotary(k, ws[1].n / d, d, cos, sin);
+    delete[] x;
+}
+
+// ws: o, gate, up, down projections. q against the cached keys and values (1, kv_heads, length, d), all of
+// them visible; then o_proj, the residual, the MLP and its residual: h -> out (hidden), bf16.
+extern "C" void pacer_draft_rest(const uint16_t* q, const uint16_t* keys, const uint16_t* values, int64_t heads,
+                                 int64_t kv_heads, int64_t length, int64_t d, float scaling, const uint16_t* h,
+                                 int64_t hidden, const uint16_t* norm, float eps, const I4Weight* ws, int64_t inter,
+                                 uint16_t* out) {
+    float* attn = new float[heads * d];
+    const int64_t lo = 0, hi = length;
+    pacer_exact_attention(q, keys, values, 1, heads, kv_heads, 1, length, d, &lo, &hi, scaling, attn);
+    uint16_t* a = new uint16_t[heads * d > inter ? heads * d : inter];
+    for (int64_t i = 0; i < heads * d; ++i) a[i] = f2bf(attn[i]);
+    uint16_t* o = new uint16_t[hidden];
+    i4_row(ws[0], a, heads * d, o);
+    uint16_t* mid = new uint16_t[hidden];
+    for (int64_t i = 0; i < hidden; ++i) mid[i] = f2bf(bf2f(h[i]) + bf2f(o[i]));
+    rms_norm(mid, norm, hidden, eps, o);
+    uint16_t* gate = new uint16_t[inter];
+    uint16_t* up = new uint16_t[inter];
+    i4_row(ws[1], o, hidden, gate);
+    i4_row(ws[2], o, hidden, up);
+    for (int64_t i = 0; i < inter; ++i) {
+        const float g = bf2f(gate[i]);
+        a[i] = f2bf(round_bf(g / (1.0f + std::exp(-g))) * bf2f(up[i]));
+    }
+    i4_row(ws[3], a, inter, o);
+    for (int64_t i = 0; i < hidden; ++i) out[i] = f2bf(bf2f(mid[i]) + bf2f(o[i]));
+    delete[] attn;
+    delete[] a;
+    delete[] o;
+    delete[] mid;
+    delete[] gate;
+    delete[] up;
 }
 #else
 extern "C" int pacer_vnni_available() { return 0; }

@@ -307,6 +307,10 @@ def load_draft(source: ModelSource | str, dtype: torch.dtype, quantize_draft: st
             # shapes: benchmarks/results/2026-12-03-draft-int4-kernel), else torch's
             draft_model = quantize_linears(draft_model, "int4", dense_rows=dense_rows,
                                            int4_kernel="pacer" if kernels.available() else "torch")
+            from ..fused_draft import fuse_draft_layers
+
+            # and its one-token steps two kernel calls a decoder layer, not ~40 torch operators (Llama / Qwen2)
+            fuse_draft_layers(draft_model)
     if "attn_implementation" not in kwargs:  # one the caller names is kept
         from ..exact_attention import kernel_attention
 

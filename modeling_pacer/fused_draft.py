@@ -1,0 +1,110 @@
+"""A draft's one-token step with each decoder layer in two C++ calls ([`fuse_draft_layers`]).
+
+transformers' eager decoder layer runs some forty small torch operators per token (norms in float and back,
+rotary embeddings, reshapes, the MLP's activation), each a few microseconds of dispatch and allocation: over a
+0.5B draft's 24 layers that is about as much time as reading its int4 weights. [`fuse_draft_layers`] routes a
+layer's one-token, one-sequence forwards through pacer's kernels instead ([`kernels.draft_qkv`]: RMSNorm, the q/k/v
+projections, rotary embeddings; transformers' own cache update; [`kernels.draft_rest`]: attention over the whole
+cache, o_proj, the residual, RMSNorm, the SiLU-gated MLP and its residual). Intermediates are rounded to bf16
+where the eager layer rounds them, so the draft's numbers stay close to the eager layer's (not bitwise: float
+sums run in another order). Every other call (a prompt, a block of several tokens, a padded batch, a masked or
+windowed cache, gradients) runs the layer as before.
+
+A draft's option only: its numbers change which tokens it proposes, never the output.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import kernels
+from .quantization import Int4Linear
+
+FUSED_MODEL_TYPES = ("llama", "qwen2")  # RMSNorm, rotate_half rotary embeddings, GQA, a SiLU-gated MLP
+_ATTENTION = ("q_proj", "k_proj", "v_proj")
+_REST = (("self_attn", "o_proj"), ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
+
+
+class FusedDecoderStep:
+    """A decoder layer's forward: one token of one sequence through the kernels, anything else through the layer's
+    own forward (`original`)."""
+
+    def __init__(self, layer: nn.Module, config):
+        self.layer, self.original = layer, layer.forward
+        attention = layer.self_attn
+        self.layer_idx, self.scaling, self.head_dim = attention.layer_idx, float(attention.scaling), attention.head_dim
+        self.hidden = config.hidden_size
+        self.qkv = [getattr(attention, name) for name in _ATTENTION]
+        self.rest = [getattr(getattr(layer, part), name) for part, name in _REST]
+
+    def __call__(self, hidden_states, attention_mask=None, position_ids=None, cache=None, use_cache=False,
+                 position_embeddings=None, **kwargs):
+        cache = kwargs.pop("past_key_values", cache)
+        if not self._takes(hidden_states, attention_mask, cache, position_embeddings):
+            return self.original(hidden_states, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                                 use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
+        layer = self.layer
+        hidden = hidden_states.reshape(-1).contiguous()
+        cos, sin = (t.to(torch.bfloat16).contiguous() for t in position_embeddings)
+        norm = layer.input_layernorm
+        q, k, v = kernels.draft_qkv(hidden, norm.weight, norm.variance_epsilon, self.qkv, cos, sin, self.head_dim)
+        keys, values = cache.update(k, v, self.layer_idx)
+        norm = layer.post_attention_layernorm
+        out = kernels.draft_rest(q, keys.contiguous(), values.contiguous(), self.scaling, hidden, norm.weight,
+                                 norm.variance_epsilon, self.rest)
+        return out.view(1, 1, self.hidden)
+
+    def _takes(self, hidden_states, attention_mask, cache, position_embeddings) -> bool:
+        if (cache is None or position_embeddings is None or hidden_states.shape != (1, 1, self.hidden)
+                or hidden_states.dtype != torch.bfloat16 or torch.is_grad_enabled()
+                or self.layer.input_layernorm.weight.dtype != torch.bfloat16
+                or any(m.kernel != "pacer" or m.bias_float is not None and m.bias_float.dtype != torch.float32
+                       for m in self.qkv + self.rest)):
+            return False
+        if attention_mask is None:
+            return True
+        # one query that sees every key of the cache once this token is added (no padding, no window)
+        length = cache.get_seq_length(self.layer_idx) + 1
+        if attention_mask.dim() != 4 or attention_mask.shape[-2:] != (1, length):
+            return False
+        visible = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+        return bool(visible.all())
+
+
+def _fusable(layer: nn.Module) -> bool:
+    attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if attention is None or mlp is None or getattr(attention, "sliding_window", None):
+        return False
+    projections = [getattr(attention, name, None) for name in (*_ATTENTION, "o_proj")] + \
+                  [getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
+    if not all(isinstance(m, Int4Linear) and m.kernel == "pacer" for m in projections):
+        return False
+    head_dim = attention.head_dim
+    norms = (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None))
+    return (head_dim % 16 == 0 and head_dim <= 256 and all(hasattr(n, "variance_epsilon") for n in norms)
+            and projections[0].out_features % head_dim == 0 and projections[1].out_features % head_dim == 0)
+
+
+def fuse_draft_layers(model: nn.Module) -> int:
+    """Route the one-token steps of `model`'s decoder layers through pacer's kernels, in place; returns how many
+    layers were routed (0 where the kernels are unavailable, the architecture is not one of FUSED_MODEL_TYPES with
+    SiLU, or a layer is not all Int4Linear(kernel="pacer") layers; those layers are left as they are)."""
+    config = model.config.get_text_config()
+    if (not kernels.available() or config.model_type not in FUSED_MODEL_TYPES or config.hidden_act != "silu"
+            or getattr(config, "mlp_bias", False)
+            or any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ())):
+        return 0
+    layers = getattr(getattr(model, "model", model), "layers", ())
+    fused = 0
+    for layer in layers:
+        if isinstance(layer.forward, FusedDecoderStep) or not _fusable(layer):
+            continue
+        layer.forward = FusedDecoderStep(layer, config)
+        fused += 1
+    return fused
+
+
+def fused_layers(model: nn.Module) -> int:
+    """How many of `model`'s decoder layers [`fuse_draft_layers`] routed."""
+    return sum(isinstance(getattr(m, "forward", None), FusedDecoderStep) for m in model.modules())

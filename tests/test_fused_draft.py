@@ -1,0 +1,115 @@
+"""A draft's decoder layers in two kernel calls per token (modeling_pacer/fused_draft.py): one-token steps follow
+the eager layer's numbers to bf16 rounding, anything else runs the eager layer itself, the layers it cannot take
+are left alone, and PACER with such a draft returns the int4 target's own greedy output."""
+
+import copy
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from modeling_pacer import FixedLength, enable_pacer, kernels
+from modeling_pacer.exact_attention import make_exact
+from modeling_pacer.fused_draft import FusedDecoderStep, fuse_draft_layers, fused_layers
+from modeling_pacer.quantization import quantize_linears
+
+from conftest import make_model
+from test_quantization import _tiny_qwen2
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"pacer's kernels: {kernels.unavailable_reason()}")
+
+
+def _int4_draft(seed: int = 0, arch: str = "qwen2"):
+    model = _tiny_qwen2(seed=seed) if arch == "qwen2" else make_model("llama", seed=seed, hidden=128)
+    return quantize_linears(model.to(torch.bfloat16), "int4", int4_kernel="pacer")
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_one_token_steps_follow_the_eager_layer(arch):
+    """After a prompt read by the eager layers, 12 one-token steps: the fused model's logits and last hidden
+    states stay within bf16 rounding of the eager model's, step after step (each on its own cache), and the
+    caches they build agree the same way."""
+    eager = _int4_draft(arch=arch)
+    fused = copy.deepcopy(eager)
+    assert fuse_draft_layers(fused) == eager.config.num_hidden_layers == fused_layers(fused)
+    assert fused_layers(eager) == 0
+    assert fuse_draft_layers(fused) == 0  # already routed: nothing more to do
+    ids = torch.randint(0, eager.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(1))
+    caches = {name: DynamicCache(config=eager.config) for name in ("eager", "fused")}
+    with torch.no_grad():
+        prompts = {name: model(ids[:, :8], cache=caches[name]).logits
+                   for name, model in (("eager", eager), ("fused", fused))}
+        assert torch.equal(prompts["eager"], prompts["fused"])  # 8 rows: the eager layers on both sides
+        for i in range(8, 20):
+            out = {name: model(ids[:, i:i + 1], cache=caches[name], output_hidden_states=True)
+                   for name, model in (("eager", eager), ("fused", fused))}
+            a, b = out["eager"], out["fused"]
+            scale = float(a.logits.abs().max())
+            assert float((a.logits - b.logits).abs().max()) <= 0.02 * scale, i
+            h_a, h_b = a.hidden_states[-1].float(), b.hidden_states[-1].float()
+            assert float((h_a - h_b).abs().max()) <= 0.02 * float(h_a.abs().max()), i
+    for layer in range(eager.config.num_hidden_layers):
+        k_a, k_b = caches["eager"].layers[layer].keys.float(), caches["fused"].layers[layer].keys.float()
+        assert k_a.shape == k_b.shape and k_a.shape[:3] == (1, eager.config.num_key_value_heads, 20)
+        assert float((k_a - k_b).abs().max()) <= 0.02 * float(k_a.abs().max())
+
+
+def test_other_calls_run_the_eager_layer(monkeypatch):
+    """Several tokens, a batch of two, gradients, a cache with a masked (padded) key: the eager forward, bitwise;
+    only a one-token, one-sequence step without gradients reaches the kernels."""
+    eager = _int4_draft()
+    fused = copy.deepcopy(eager)
+    fuse_draft_layers(fused)
+    calls = []
+    monkeypatch.setattr(kernels, "draft_qkv", lambda *a, _f=kernels.draft_qkv: calls.append(1) or _f(*a))
+    ids = torch.randint(0, eager.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(fused(ids).logits, eager(ids).logits)  # a batch of 6-token rows
+        mask = torch.ones(1, 6, dtype=torch.long)
+        mask[0, 0] = 0  # left padding
+        cache_a, cache_b = DynamicCache(config=eager.config), DynamicCache(config=eager.config)
+        eager(ids[:1, :5], attention_mask=mask[:, :5], cache=cache_a)
+        fused(ids[:1, :5], attention_mask=mask[:, :5], cache=cache_b)
+        step_a = eager(ids[:1, 5:], attention_mask=mask, cache=cache_a).logits
+        step_b = fused(ids[:1, 5:], attention_mask=mask, cache=cache_b).logits
+        assert torch.equal(step_a, step_b)
+    assert calls == []
+    assert torch.equal(fused(ids[:1, :1]).logits, eager(ids[:1, :1]).logits)  # gradients on: the eager layer
+    assert calls == []
+    with torch.no_grad():
+        fused(ids[:1, :1])
+    assert len(calls) == fused.config.num_hidden_layers
+
+
+def test_only_int4_kernel_layers_of_known_architectures_are_routed():
+    assert fuse_draft_layers(_tiny_qwen2().to(torch.bfloat16)) == 0  # bf16 weights
+    assert fuse_draft_layers(quantize_linears(_tiny_qwen2().to(torch.bfloat16), "int4")) == 0  # torch's int4 kernel
+    gpt2 = quantize_linears(make_model("gpt2", seed=0, hidden=128).to(torch.bfloat16), "int4", int4_kernel="pacer")
+    assert fuse_draft_layers(gpt2) == 0
+    mixed = _int4_draft()
+    mixed.model.layers[1].mlp.down_proj = torch.nn.Linear(512, 256).to(torch.bfloat16)
+    assert fuse_draft_layers(mixed) == 1 and isinstance(mixed.model.layers[0].forward, FusedDecoderStep)
+
+
+def test_pacer_greedy_equals_int4_target_with_a_fused_draft():
+    """PACER over an int4 target with a fused int4 draft (as load_draft makes it): token for token the target's own
+    greedy `generate`, several prompts, lengths and policies."""
+    target = enable_pacer(make_exact(quantize_linears(_tiny_qwen2(seed=0).to(torch.bfloat16), "int4")))
+    draft = _tiny_qwen2(seed=0)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(0.2 * p.std() * torch.randn_like(p))
+    draft = quantize_linears(draft.to(torch.bfloat16), "int4", dense_rows=4, int4_kernel="pacer")
+    assert fuse_draft_layers(draft) == 2
+    g = torch.Generator().manual_seed(1)
+    drafted = 0
+    for n in (1, 9):
+        ids = torch.randint(0, 96, (1, n), generator=g)
+        for new in (5, 24):
+            expected = target.generate(ids, do_sample=False, max_new_tokens=new)
+            for policy in (FixedLength(2), FixedLength(6), "svip"):
+                out = target.generate(ids, assistant_model=draft, stopping_policy=policy, do_sample=False,
+                                      max_new_tokens=new, return_dict_in_generate=True)
+                assert out.sequences.tolist() == expected.tolist(), (n, new, policy)
+                drafted += sum(s.drafted for s in out.pacer_stats.steps)
+    assert drafted > 0
