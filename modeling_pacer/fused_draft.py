@@ -15,6 +15,8 @@ A draft's option only: its numbers change which tokens it proposes, never the ou
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 
@@ -32,6 +34,8 @@ class FusedDecoderStep:
 
     def __init__(self, layer: nn.Module, config):
         self.layer, self.original = layer, layer.forward
+        # the name the layer's forward takes its cache by (transformers 5.24 renamed past_key_values to cache)
+        self.cache_name = "cache" if "cache" in inspect.signature(layer.forward).parameters else "past_key_values"
         attention = layer.self_attn
         self.layer_idx, self.scaling, self.head_dim = attention.layer_idx, float(attention.scaling), attention.head_dim
         self.hidden = config.hidden_size
@@ -42,8 +46,9 @@ class FusedDecoderStep:
                  position_embeddings=None, **kwargs):
         cache = kwargs.pop("past_key_values", cache)
         if not self._takes(hidden_states, attention_mask, cache, position_embeddings):
-            return self.original(hidden_states, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
-                                 use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
+            return self.original(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                                 use_cache=use_cache, position_embeddings=position_embeddings,
+                                 **{self.cache_name: cache}, **kwargs)
         layer = self.layer
         hidden = hidden_states.reshape(-1).contiguous()
         cos, sin = (t.to(torch.bfloat16).contiguous() for t in position_embeddings)

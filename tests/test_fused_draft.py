@@ -37,11 +37,11 @@ def test_one_token_steps_follow_the_eager_layer(arch):
     ids = torch.randint(0, eager.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(1))
     caches = {name: DynamicCache(config=eager.config) for name in ("eager", "fused")}
     with torch.no_grad():
-        prompts = {name: model(ids[:, :8], cache=caches[name]).logits
+        prompts = {name: model(ids[:, :8], past_key_values=caches[name]).logits
                    for name, model in (("eager", eager), ("fused", fused))}
         assert torch.equal(prompts["eager"], prompts["fused"])  # 8 rows: the eager layers on both sides
         for i in range(8, 20):
-            out = {name: model(ids[:, i:i + 1], cache=caches[name], output_hidden_states=True)
+            out = {name: model(ids[:, i:i + 1], past_key_values=caches[name], output_hidden_states=True)
                    for name, model in (("eager", eager), ("fused", fused))}
             a, b = out["eager"], out["fused"]
             scale = float(a.logits.abs().max())
@@ -68,10 +68,10 @@ def test_other_calls_run_the_eager_layer(monkeypatch):
         mask = torch.ones(1, 6, dtype=torch.long)
         mask[0, 0] = 0  # left padding
         cache_a, cache_b = DynamicCache(config=eager.config), DynamicCache(config=eager.config)
-        eager(ids[:1, :5], attention_mask=mask[:, :5], cache=cache_a)
-        fused(ids[:1, :5], attention_mask=mask[:, :5], cache=cache_b)
-        step_a = eager(ids[:1, 5:], attention_mask=mask, cache=cache_a).logits
-        step_b = fused(ids[:1, 5:], attention_mask=mask, cache=cache_b).logits
+        eager(ids[:1, :5], attention_mask=mask[:, :5], past_key_values=cache_a)
+        fused(ids[:1, :5], attention_mask=mask[:, :5], past_key_values=cache_b)
+        step_a = eager(ids[:1, 5:], attention_mask=mask, past_key_values=cache_a).logits
+        step_b = fused(ids[:1, 5:], attention_mask=mask, past_key_values=cache_b).logits
         assert torch.equal(step_a, step_b)
     assert calls == []
     assert torch.equal(fused(ids[:1, :1]).logits, eager(ids[:1, :1]).logits)  # gradients on: the eager layer
