@@ -1,6 +1,6 @@
 """A draft's decoder layers in two kernel calls per token (modeling_pacer/fused_draft.py): one-token steps follow
 the eager layer's numbers to bf16 rounding, anything else runs the eager layer itself, the layers it cannot take
-are left alone, and PACER with such a draft returns the int4 target's own greedy output."""
+are left alone (PACER's greedy identity with such a draft: tests/test_quantization.py, draft_kind "int4-fused")."""
 
 import copy
 
@@ -8,8 +8,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from modeling_pacer import FixedLength, enable_pacer, kernels
-from modeling_pacer.exact_attention import make_exact
+from modeling_pacer import kernels
 from modeling_pacer.fused_draft import FusedDecoderStep, fuse_draft_layers, fused_layers
 from modeling_pacer.quantization import quantize_linears
 
@@ -89,27 +88,3 @@ def test_only_int4_kernel_layers_of_known_architectures_are_routed():
     mixed = _int4_draft()
     mixed.model.layers[1].mlp.down_proj = torch.nn.Linear(512, 256).to(torch.bfloat16)
     assert fuse_draft_layers(mixed) == 1 and isinstance(mixed.model.layers[0].forward, FusedDecoderStep)
-
-
-def test_pacer_greedy_equals_int4_target_with_a_fused_draft():
-    """PACER over an int4 target with a fused int4 draft (as load_draft makes it): token for token the target's own
-    greedy `generate`, several prompts, lengths and policies."""
-    target = enable_pacer(make_exact(quantize_linears(_tiny_qwen2(seed=0).to(torch.bfloat16), "int4")))
-    draft = _tiny_qwen2(seed=0)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(0.2 * p.std() * torch.randn_like(p))
-    draft = quantize_linears(draft.to(torch.bfloat16), "int4", dense_rows=4, int4_kernel="pacer")
-    assert fuse_draft_layers(draft) == 2
-    g = torch.Generator().manual_seed(1)
-    drafted = 0
-    for n in (1, 9):
-        ids = torch.randint(0, 96, (1, n), generator=g)
-        for new in (5, 24):
-            expected = target.generate(ids, do_sample=False, max_new_tokens=new)
-            for policy in (FixedLength(2), FixedLength(6), "svip"):
-                out = target.generate(ids, assistant_model=draft, stopping_policy=policy, do_sample=False,
-                                      max_new_tokens=new, return_dict_in_generate=True)
-                assert out.sequences.tolist() == expected.tolist(), (n, new, policy)
-                drafted += sum(s.drafted for s in out.pacer_stats.steps)
-    assert drafted > 0

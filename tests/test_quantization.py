@@ -221,12 +221,14 @@ def test_int4_dense_rows_runs_long_calls_on_the_dequantized_weight():
         exact_linears(torch.nn.Sequential(dense))
 
 
-@pytest.mark.parametrize("draft_kind", ["int4", "int4-dense", "int8", pytest.param(
-    "int4-pacer", marks=pytest.mark.skipif(not kernels.available(), reason="pacer's kernels are not available"))])
+@pytest.mark.parametrize("draft_kind", ["int4", "int4-dense", "int8"] + [pytest.param(
+    kind, marks=pytest.mark.skipif(not kernels.available(), reason="pacer's kernels are not available"))
+    for kind in ("int4-pacer", "int4-fused")])
 def test_pacer_greedy_equals_int4_target(draft_kind):
     """PACER over an int4 target (every linear layer, LM head included) with an int4 or int8 draft (int4 on
     torch's kernel, with a dense prefill copy, or on pacer's kernel with it, as load_draft makes it): token for
-    token the int4 target's own greedy `generate`, several prompts and lengths."""
+    token the int4 target's own greedy `generate`, several prompts and lengths; "int4-fused": pacer's kernel with
+    the decoder layers fused (modeling_pacer/fused_draft.py), as load_draft makes it."""
     target = enable_pacer(make_exact(quantize_linears(_tiny_qwen2(seed=0).to(torch.bfloat16), "int4")))
     assert isinstance(target.lm_head, Int4Linear)
     draft = _tiny_qwen2(seed=0)
@@ -237,7 +239,11 @@ def test_pacer_greedy_equals_int4_target(draft_kind):
         draft = quantize_dynamic_int8(draft)
     else:  # "int4-dense", "int4-pacer": prompts of 4 tokens or more are read with the dense copy (load_draft's prefill)
         draft = quantize_linears(draft.to(torch.bfloat16), "int4", dense_rows=None if draft_kind == "int4" else 4,
-                                 int4_kernel="pacer" if draft_kind == "int4-pacer" else "torch")
+                                 int4_kernel="pacer" if draft_kind in ("int4-pacer", "int4-fused") else "torch")
+        if draft_kind == "int4-fused":
+            from modeling_pacer.fused_draft import fuse_draft_layers
+
+            assert fuse_draft_layers(draft) == 2
     g = torch.Generator().manual_seed(1)
     drafted = 0
     for n in (1, 9):
