@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
+from . import kernels
 from .custom_generate.generate import crop_cache, model_forward
 from .draft_vocab import kept_tokens
 from .exact_linear import is_exact_linear
@@ -209,7 +210,8 @@ def describe_model(model) -> dict | None:
     param = next(model.parameters(), None)
     linears = sorted({f"{type(m).__module__}.{type(m).__name__}:{'exact' if is_exact_linear(m) else 'plain'}"
                       + (f":dense>={m.dense_rows}" if getattr(m, "dense_rows", None) is not None else "")
-                      + (f":{m.kernel}-kernel" if getattr(m, "kernel", "torch") != "torch" else "")
+                      # pacer's kernels: their ABI, which changes with their numerics and speed
+                      + (f":{m.kernel}-kernel-abi{kernels.ABI}" if getattr(m, "kernel", "torch") != "torch" else "")
                       for m in model.modules() if "Linear" in type(m).__name__})
     return dict(
         name=str(getattr(config, "_name_or_path", "") or type(model).__name__),

@@ -41,6 +41,11 @@ class FusedDecoderStep:
         self.hidden = config.hidden_size
         self.qkv = [getattr(attention, name) for name in _ATTENTION]
         self.rest = [getattr(getattr(layer, part), name) for part, name in _REST]
+        # what one step hands every layer alike, converted once: the rotary tables as bf16, whether the mask hides
+        # nothing; and the projections as the C++ reads them, rebuilt when a buffer moves
+        self._rotary: tuple = (None, None)
+        self._mask: tuple = (None, None, None)
+        self._weights: tuple = (None, None, None)
 
     def __call__(self, hidden_states, attention_mask=None, position_ids=None, cache=None, use_cache=False,
                  position_embeddings=None, **kwargs):
@@ -51,19 +56,35 @@ class FusedDecoderStep:
                                  **{self.cache_name: cache}, **kwargs)
         layer = self.layer
         hidden = hidden_states.reshape(-1).contiguous()
-        cos, sin = (t.to(torch.bfloat16).contiguous() for t in position_embeddings)
+        cos, sin = self._rotary_bf16(position_embeddings)
+        qkv, rest = self._projections()
         norm = layer.input_layernorm
-        q, k, v = kernels.draft_qkv(hidden, norm.weight, norm.variance_epsilon, self.qkv, cos, sin, self.head_dim)
+        q, k, v = kernels.draft_qkv(hidden, norm.weight, norm.variance_epsilon, qkv, cos, sin, self.head_dim)
         keys, values = cache.update(k, v, self.layer_idx)
         norm = layer.post_attention_layernorm
         out = kernels.draft_rest(q, keys.contiguous(), values.contiguous(), self.scaling, hidden, norm.weight,
-                                 norm.variance_epsilon, self.rest)
+                                 norm.variance_epsilon, rest)
         return out.view(1, 1, self.hidden)
+
+    def _rotary_bf16(self, position_embeddings):
+        if self._rotary[0] is not position_embeddings:
+            self._rotary = (position_embeddings,
+                            tuple(t.to(torch.bfloat16).contiguous() for t in position_embeddings))
+        return self._rotary[1]
+
+    def _projections(self):
+        """The q/k/v and o/gate/up/down layers as [`kernels.draft_qkv`] / [`kernels.draft_rest`] read them."""
+        key = tuple((m.packed_weight.data_ptr(), m.scales_and_zeros.data_ptr(),
+                     None if m.bias_float is None else m.bias_float.data_ptr()) for m in self.qkv + self.rest)
+        if self._weights[0] != key:
+            self._weights = (key, kernels.projections(self.qkv), kernels.projections(self.rest))
+        return self._weights[1], self._weights[2]
 
     def _takes(self, hidden_states, attention_mask, cache, position_embeddings) -> bool:
         if (cache is None or position_embeddings is None or hidden_states.shape != (1, 1, self.hidden)
                 or hidden_states.dtype != torch.bfloat16 or torch.is_grad_enabled()
                 or self.layer.input_layernorm.weight.dtype != torch.bfloat16
+                or self.layer.post_attention_layernorm.weight.dtype != torch.bfloat16
                 or any(m.kernel != "pacer" or m.bias_float is not None and m.bias_float.dtype != torch.float32
                        for m in self.qkv + self.rest)):
             return False
@@ -71,10 +92,12 @@ class FusedDecoderStep:
             return True
         # one query that sees every key of the cache once this token is added (no padding, no window)
         length = cache.get_seq_length(self.layer_idx) + 1
-        if attention_mask.dim() != 4 or attention_mask.shape[-2:] != (1, length):
-            return False
-        visible = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
-        return bool(visible.all())
+        if self._mask[0] is attention_mask and self._mask[1] == length:
+            return self._mask[2]
+        visible = attention_mask.dim() == 4 and attention_mask.shape[-2:] == (1, length) and bool(
+            (attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0).all())
+        self._mask = (attention_mask, length, visible)
+        return visible
 
 
 def _fusable(layer: nn.Module) -> bool:

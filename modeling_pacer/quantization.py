@@ -56,11 +56,12 @@ INT4_KERNELS = ("torch", "pacer")
 
 class Int4Linear(nn.Module):
     """`y = x W^T + b` with `W[n, k] = (codes[n, k] - 8) * scales[n, k // g] + zeros[n, k // g]`, codes in
-    0..15. Activations run in bf16; the output is cast back to the input's dtype. `kernel`: "torch" packs the
-    weight for `aten._weight_int4pack_mm_for_cpu` (an exact target's layers: tests and probes know its rows);
-    "pacer" for pacer's AVX-512 kernel ([`kernels.int4_matmul`], group size 32 only), which reads the same grid
-    in bf16 dot products: about twice torch's speed at one row on a 0.5B draft's shapes, rows still independent
-    of each other, results not bitwise torch's (a draft's choice: its numerics change speed, never the output)."""
+    0..15; the output is cast back to the input's dtype. `kernel`: "torch" packs the weight for
+    `aten._weight_int4pack_mm_for_cpu` (bf16 activations; an exact target's layers: tests and probes know its
+    rows); "pacer" for pacer's VNNI kernel ([`kernels.int4_matmul`], group size 32 only), which reads the same grid
+    with the activations quantized to int8 per row in blocks of 32: two to three times torch's speed at one row on
+    a 0.5B draft's shapes, rows still independent of each other, results not torch's (a draft's choice: its
+    numerics change speed, never the output)."""
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                  bias: torch.Tensor | None = None, group_size: int = GROUP_SIZE, dense_rows: int | None = None,

@@ -7,9 +7,9 @@ products, unpacking each weight tile once for all the rows of a call: up to abou
 read. Integer sums are exact and each row runs the same instructions whatever the call's size or thread count, so
 their results are row-invariant by construction (still probed where they run, like every exact layer).
 
-[`int4_matmul`] is a draft's: torch's int4 grid (groups of 32) times bf16 activations, unquantized, in bf16 dot
-products (AVX512-BF16, else float multiply-adds); at one row on a 0.5B draft's shapes it runs at about twice the
-speed of torch's int4 kernel, which converts every weight to float.
+[`int4_matmul`] is a draft's: torch's int4 grid (groups of 32) times activations quantized to int8 per row in blocks
+of 32, on the same VNNI dot products; at one row on a 0.5B draft's shapes it runs at two to three times the speed of
+torch's int4 kernel, which converts every weight to float.
 
 The file is compiled with the host's C++ compiler (`$CXX`, else `c++`) and `-march=native` into
 `~/.cache/pacer/kernels/`, keyed by the source, the compiler and the CPU; a host without AVX512-VNNI or
@@ -32,7 +32,7 @@ import torch
 
 SOURCE = Path(__file__).with_name("vnni_matmul.cpp")
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
-ABI = 8  # pacer_kernel_abi() of the source this module calls
+ABI = 9  # pacer_kernel_abi() of the source this module calls
 
 
 def _cache_dir() -> Path:
@@ -76,7 +76,7 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     library.pacer_q4k_matmul.argtypes = [p, p, p, p, i, i, p, p, p, i, p, ctypes.c_int, p]
     library.pacer_q8_matmul.argtypes = [p, p, i, i, p, p, p, i, p, ctypes.c_int, p]
     library.pacer_exact_attention.argtypes = [p, p, p, i, i, i, i, i, i, p, p, ctypes.c_float, p]
-    library.pacer_i4_matmul.argtypes = [p, p, i, i, p, i, p, ctypes.c_int, p]
+    library.pacer_i4_matmul.argtypes = [p, p, i, i, p, p, p, i, p, ctypes.c_int, p]
     f = ctypes.c_float
     library.pacer_draft_qkv.argtypes = [p, i, p, f, p, p, p, i, p, p, p]
     library.pacer_draft_rest.argtypes = [p, p, p, i, i, i, i, f, p, i, p, f, p, i, p]
@@ -106,13 +106,14 @@ def _library() -> ctypes.CDLL:
 
 class QuantizedRows:
     """A call's activations as the kernels read them: int8 rows in blocks of `block` inputs (256 for
-    [`q4k_matmul`], 32 for [`q8_matmul`]) with one scale per block, and the sum of each 32 codes."""
+    [`q4k_matmul`], 32 for [`q8_matmul`] and [`int4_matmul`]) with one scale per block, and the sum of each 32
+    codes."""
 
     def __init__(self, x: torch.Tensor, block: int = 256):
         if block not in (32, 256):
             raise ValueError(f"QuantizedRows: block must be 32 or 256, got {block}")
-        if x.dim() != 2 or x.shape[1] % 256:
-            raise ValueError(f"QuantizedRows: needs (rows, k) with k divisible by 256, got {tuple(x.shape)}")
+        if x.dim() != 2 or x.shape[1] % block:
+            raise ValueError(f"QuantizedRows: needs (rows, k) with k divisible by {block}, got {tuple(x.shape)}")
         x = x.to(torch.bfloat16).contiguous()
         self.rows, self.k = x.shape
         self.block = block
@@ -159,15 +160,16 @@ def q8_matmul(x: QuantizedRows, packed, scale, n: int, bias: torch.Tensor | None
 
 def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, n: int,
                 bias: torch.Tensor | None = None, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """`(rows, n)`: the rows of `x` ((rows, k), taken as bf16) times an int4 weight packed by [`pack_int4`], plus
-    `bias` (float32), in float32 (activations unquantized), written as `dtype`. Each weight tile is unpacked once
-    for up to 4 rows; each row's result depends on that row alone."""
-    x = x.to(torch.bfloat16).contiguous()
+    """`(rows, n)`: the rows of `x` ((rows, k), taken as bf16, quantized to int8 in blocks of 32: [`QuantizedRows`])
+    times an int4 weight packed by [`pack_int4`], plus `bias` (float32), in float32, written as `dtype`. Each weight
+    tile is unpacked once for up to 8 rows; each row's result depends on that row alone."""
     if x.dim() != 2 or x.shape[1] % 32:
         raise ValueError(f"int4_matmul: needs (rows, k) with k divisible by 32, got {tuple(x.shape)}")
-    out, bias_ptr, bf16 = _output(x.shape[0], n, bias, dtype)
-    _library().pacer_i4_matmul(packed.data_ptr(), scales_zeros.data_ptr(), n, x.shape[1], x.data_ptr(), x.shape[0],
-                               bias_ptr, bf16, out.data_ptr())
+    rows = QuantizedRows(x, block=32)
+    out, bias_ptr, bf16 = _output(rows.rows, n, bias, dtype)
+    _library().pacer_i4_matmul(packed.data_ptr(), scales_zeros.data_ptr(), n, rows.k, rows.q.data_ptr(),
+                               rows.scale.data_ptr(), rows.group_sums.data_ptr(), rows.rows, bias_ptr, bf16,
+                               out.data_ptr())
     return out
 
 
@@ -175,21 +177,27 @@ class _I4Weight(ctypes.Structure):  # vnni_matmul.cpp's I4Weight
     _fields_ = [("packed", ctypes.c_void_p), ("sz", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("n", ctypes.c_int64)]
 
 
-def _weights(layers) -> ctypes.Array:
-    """Int4Linear(kernel="pacer") layers as the C++ reads them (their buffers' addresses at this call)."""
+def projections(layers) -> ctypes.Array:
+    """Int4Linear(kernel="pacer") layers as [`draft_qkv`] / [`draft_rest`] read them: their buffers' addresses now
+    (build again after a buffer is replaced)."""
     return (_I4Weight * len(layers))(*(
         _I4Weight(m.packed_weight.data_ptr(), m.scales_and_zeros.data_ptr(),
                   0 if m.bias_float is None else m.bias_float.data_ptr(), m.out_features) for m in layers))
 
 
+def _as_projections(layers) -> ctypes.Array:
+    return layers if isinstance(layers, ctypes.Array) else projections(layers)
+
+
 def draft_qkv(hidden: torch.Tensor, norm: torch.Tensor, eps: float, projections, cos: torch.Tensor,
               sin: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One token's `hidden` (bf16, contiguous) -> RMSNorm (`norm`, `eps`) -> the q, k, v `projections`
-    (Int4Linear(kernel="pacer")) -> rotary embeddings (`cos`, `sin`: bf16, `head_dim`). Returns q (1, heads, 1, d),
-    k and v (1, kv_heads, 1, d), bf16, as transformers' attention hands them to its cache."""
-    size = hidden.numel()
-    q, k, v = (torch.empty(1, m.out_features // head_dim, 1, head_dim, dtype=torch.bfloat16) for m in projections)
-    _library().pacer_draft_qkv(hidden.data_ptr(), size, norm.data_ptr(), eps, _weights(projections), cos.data_ptr(),
+    (Int4Linear(kernel="pacer") layers, or [`projections`] of them) -> rotary embeddings (`cos`, `sin`: bf16,
+    `head_dim`). Returns q (1, heads, 1, d), k and v (1, kv_heads, 1, d), bf16, as transformers' attention hands them
+    to its cache."""
+    size, weights = hidden.numel(), _as_projections(projections)
+    q, k, v = (torch.empty(1, w.n // head_dim, 1, head_dim, dtype=torch.bfloat16) for w in weights)
+    _library().pacer_draft_qkv(hidden.data_ptr(), size, norm.data_ptr(), eps, weights, cos.data_ptr(),
                                sin.data_ptr(), head_dim, q.data_ptr(), k.data_ptr(), v.data_ptr())
     return q, k, v
 
@@ -198,12 +206,13 @@ def draft_rest(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scalin
                norm: torch.Tensor, eps: float, projections) -> torch.Tensor:
     """The rest of a decoder layer for one token: `q` (1, heads, 1, d) attends to all of `keys`/`values`
     (1, kv_heads, length, d), then o_proj, the residual onto `hidden`, RMSNorm (`norm`, `eps`), the SiLU-gated
-    MLP and its residual. `projections`: o, gate, up, down (Int4Linear(kernel="pacer")). bf16 in and out."""
-    out = torch.empty_like(hidden)
+    MLP and its residual. `projections`: o, gate, up, down (Int4Linear(kernel="pacer") layers, or [`projections`] of
+    them). bf16 in and out."""
+    out, weights = torch.empty_like(hidden), _as_projections(projections)
     _, heads, _, dim = q.shape
     _library().pacer_draft_rest(q.data_ptr(), keys.data_ptr(), values.data_ptr(), heads, keys.shape[1], keys.shape[2],
                                 dim, scaling, hidden.data_ptr(), hidden.numel(), norm.data_ptr(), eps,
-                                _weights(projections), projections[1].out_features, out.data_ptr())
+                                weights, weights[1].n, out.data_ptr())
     return out
 
 
@@ -246,15 +255,16 @@ def pack_q4k(codes: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor, d: torch.T
 def pack_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor):
     """int4 codes (n, k) in 0..15 with a scale and a zero per output and group of 32 inputs ((n, k / 32), as torch's
     int4 kernel reads them: w = (q - 8) * s + z) -> (packed codes, scales and zeros as bf16 bits) in the tiles of 16
-    outputs `pacer_i4_matmul` reads: packed[t][g][c][o][e] = q[16t + o, 32g + 2c + e] | q[16t + o, 32g + 16 + 2c + e]
-    << 4 (c < 8, e < 2), scales_zeros[t][g] = (s of the 16 outputs, z of the 16 outputs)."""
+    outputs `pacer_i4_matmul` reads: packed[t][g][p][4o + e] = q[16t + o, 32g + 4p + e] | q[16t + o, 32g + 16 + 4p + e]
+    << 4 (p < 4, e < 4), scales_zeros[t][g] = (s of the 16 outputs, z of the 16 outputs)."""
     n, k = codes.shape
     if n % 16 or k % 32 or scales.shape != (n, k // 32) or zeros.shape != scales.shape:
         raise ValueError(f"pack_int4: needs n divisible by 16, k by 32 and scales/zeros of shape (n, k / 32); got "
                          f"codes {tuple(codes.shape)}, scales {tuple(scales.shape)}, zeros {tuple(zeros.shape)}")
     t, g = n // 16, k // 32
-    c = codes.to(torch.uint8).reshape(t, 16, g, 2, 8, 2).permute(0, 2, 4, 1, 5, 3)  # (t, g, c, o, e, low/high)
-    packed = (c[..., 0] | (c[..., 1] << 4)).contiguous()
+    # (t, g, step j, 16 outputs x 4 inputs): step j holds inputs 4j..4j+3 of the group
+    c = codes.to(torch.uint8).reshape(t, 16, g, 8, 4).permute(0, 2, 3, 1, 4).reshape(t, g, 8, 64)
+    packed = (c[:, :, :4] | (c[:, :, 4:] << 4)).contiguous()
     per_tile = lambda v: v.to(torch.bfloat16).reshape(t, 16, g).permute(0, 2, 1)  # noqa: E731
     return packed, torch.stack([per_tile(scales), per_tile(zeros)], dim=2).contiguous().view(torch.int16)
 

@@ -26,7 +26,7 @@
 #include <immintrin.h>
 #endif
 
-extern "C" int pacer_kernel_abi() { return 8; }
+extern "C" int pacer_kernel_abi() { return 9; }
 
 #ifdef PACER_VNNI
 extern "C" int pacer_vnni_available() { return 1; }
@@ -221,39 +221,20 @@ extern "C" void pacer_q8_matmul(const uint8_t* packed, const float* scale, int64
     }
 }
 
-// int4 weights with bf16 activations (a draft's decoding steps: torch's int4 kernel spends about twice the memory's
-// time on its small layers at one row, converting each weight to float). Weights as torch's int4 kernel defines them:
-// w = (q - 8) * s + z, q in 0..15, s and z bf16 per output and group of 32 inputs. For tile t (16 outputs) and
-// group g: packed[t][g][8][16][2], byte (c, o, e) holding input 2c + e of the group for output o in its low nibble
-// and input 16 + 2c + e in its high nibble; sz[t][g][2][16] (bf16 bits: s, then z). Each byte pair (o, e = 0, 1) is
-// widened to two bf16 words q - 8 (exact: small integers) by a table lookup, and one vdpbf16ps multiplies 16 outputs
-// by an input pair (32 products; fp32 sums). xsum (rows, k / 32): the float sum of each group of x. Per row and
-// output, in this order for every row whatever the call's size (each row has its own sums):
-//   y = sum_g (s_g * sum_{i in g} x_i (q_i - 8) + z_g * xsum_g)
-// Without AVX512-BF16 the same products are taken in two float multiply-adds (even and odd inputs).
-static inline __m512 pair_dot(__m512 acc, __m512i w, int32_t x2) {
-#ifdef __AVX512BF16__
-    return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)_mm512_set1_epi32(x2));
-#else
-    const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-    const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32((int32_t)0xFFFF0000)));
-    const uint32_t xe_bits = uint32_t(x2) << 16, xo_bits = uint32_t(x2) & 0xFFFF0000u;
-    float xe, xo;
-    std::memcpy(&xe, &xe_bits, 4);
-    std::memcpy(&xo, &xo_bits, 4);
-    return _mm512_fmadd_ps(_mm512_set1_ps(xo), odd, _mm512_fmadd_ps(_mm512_set1_ps(xe), even, acc));
-#endif
-}
-
+// int4 weights with int8 activations (a draft's decoding steps: torch's int4 kernel, which converts every weight to
+// float, spends about twice the memory's time on a small draft's layers at one row; bf16 dot products over a table
+// lookup of the codes were compute-bound too, at about half the speed of this). Weights as torch's int4 kernel defines them:
+// w = (q - 8) * s + z, q in 0..15, s and z bf16 per output and group of 32 inputs; activations quantized per row in
+// blocks of 32 (pacer_quantize_rows: xq, sx, xs). For tile t (16 outputs) and group g: packed[t][g][4][64], zmm p
+// holding step p in its low nibbles and step p + 4 in its high ones (step j: inputs 4j..4j+3 of the group for the 16
+// outputs, 4 codes per output), as q4_tile reads them; sz[t][g][2][16] (bf16 bits: s, then z). Per row and output,
+// with the integer sums exact, in this order for every row whatever the call's size (each row has its own sums):
+//   y = sum_g sx_g * (s_g * (sum_{i in g} xq_i q_i - 8 xs_g) + z_g * xs_g)
 template <int R>
-static void i4_tile(const uint8_t* packed, const uint16_t* sz, const uint16_t* x, const float* xsum, int64_t k,
-                    float* out) {
+static void i4_tile(const uint8_t* packed, const uint16_t* sz, const int8_t* xq, const float* sx, const int16_t* xs,
+                    int64_t k, float* out) {
     const int64_t groups = k / 32;
-    // bf16 bits of q - 8 for q = 0..15 (vpermw reads the low 5 bits of each index; 16..31 unused)
-    alignas(64) static const uint16_t lut[32] = {0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,
-                                                 0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0};
-    const __m512i table = _mm512_load_si512((const void*)lut);
-    const __m512i low = _mm512_set1_epi16(0x0F);
+    const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
@@ -262,69 +243,50 @@ static void i4_tile(const uint8_t* packed, const uint16_t* sz, const uint16_t* x
         _mm_prefetch((const char*)(p + PREFETCH + 64), _MM_HINT_T0);
         _mm_prefetch((const char*)(p + PREFETCH + 128), _MM_HINT_T0);
         _mm_prefetch((const char*)(p + PREFETCH + 192), _MM_HINT_T0);
-        // four independent sums per row (pairs c even / odd, low / high nibble): the adds' latency overlaps
-        __m512 a[R][4];
-        for (int r = 0; r < R; ++r)
-            for (int j = 0; j < 4; ++j) a[r][j] = _mm512_setzero_ps();
-#pragma GCC unroll 8
-        for (int c = 0; c < 8; ++c) {
-            const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(p + 32 * c)));
-            const __m512i lo = _mm512_permutexvar_epi16(_mm512_and_si512(v, low), table);
-            const __m512i hi = _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), table);
-            for (int r = 0; r < R; ++r) {
-                const int8_t* xr = (const int8_t*)(x + r * k + g * 32);
-                a[r][c & 1] = pair_dot(a[r][c & 1], lo, load4(xr + 4 * c));
-                a[r][2 + (c & 1)] = pair_dot(a[r][2 + (c & 1)], hi, load4(xr + 32 + 4 * c));
-            }
+        __m512i w[8];
+        for (int j = 0; j < 4; ++j) {
+            const __m512i v = _mm512_loadu_si512((const void*)(p + j * 64));
+            w[j] = _mm512_and_si512(v, low);
+            w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
         }
         const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(
             _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(sz + g * 32))), 16));
         const __m512 z = _mm512_castsi512_ps(_mm512_slli_epi32(
             _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(sz + g * 32 + 16))), 16));
         for (int r = 0; r < R; ++r) {
-            const __m512 sum = _mm512_add_ps(_mm512_add_ps(a[r][0], a[r][1]), _mm512_add_ps(a[r][2], a[r][3]));
-            acc[r] = _mm512_add_ps(acc[r], _mm512_add_ps(_mm512_mul_ps(s, sum),
-                                                         _mm512_mul_ps(z, _mm512_set1_ps(xsum[r * groups + g]))));
+            const int8_t* xr = xq + r * k + g * 32;
+            __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(load4(xr)));
+            __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], _mm512_set1_epi32(load4(xr + 4)));
+            for (int j = 2; j < 8; j += 2) {
+                s0 = _mm512_dpbusd_epi32(s0, w[j], _mm512_set1_epi32(load4(xr + 4 * j)));
+                s1 = _mm512_dpbusd_epi32(s1, w[j + 1], _mm512_set1_epi32(load4(xr + 4 * j + 4)));
+            }
+            const int32_t total = xs[r * groups + g];
+            const __m512i centred = _mm512_sub_epi32(_mm512_add_epi32(s0, s1), _mm512_set1_epi32(8 * total));
+            const __m512 t = _mm512_add_ps(_mm512_mul_ps(s, _mm512_cvtepi32_ps(centred)),
+                                           _mm512_mul_ps(z, _mm512_set1_ps(float(total))));
+            acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_set1_ps(sx[r * groups + g]), t));
         }
     }
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * 16, acc[r]);
 }
 
-static const int64_t I4_ROW_BLOCK = 4;  // rows a weight tile is unpacked for (4 x 4 sums + 4 results: 20 registers)
-
-// out: (m, n), float or (out_bf16) bf16, plus bias (n floats) unless null; x: (m, k) bf16.
-extern "C" void pacer_i4_matmul(const uint8_t* packed, const uint16_t* sz, int64_t n, int64_t k, const uint16_t* x,
-                                int64_t m, const float* bias, int out_bf16, void* out) {
+// out: (m, n), float or (out_bf16) bf16, plus bias (n floats) unless null; xq, sx, xs from pacer_quantize_rows with
+// block 32.
+extern "C" void pacer_i4_matmul(const uint8_t* packed, const uint16_t* sz, int64_t n, int64_t k, const int8_t* xq,
+                                const float* sx, const int16_t* xs, int64_t m, const float* bias, int out_bf16,
+                                void* out) {
     const int64_t tiles = n / 16, groups = k / 32;
-    float* xsum = new float[m * groups];
-    for (int64_t r = 0; r < m; ++r)
-        for (int64_t g = 0; g < groups; ++g) {
-            float total = 0.0f;
-            for (int64_t i = 0; i < 32; ++i) {
-                const uint32_t bits = uint32_t(x[r * k + g * 32 + i]) << 16;
-                float v;
-                std::memcpy(&v, &bits, 4);
-                total += v;
-            }
-            xsum[r * groups + g] = total;
-        }
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < tiles; ++t) {
-        const uint8_t* pt = packed + t * groups * 256;
-        const uint16_t* szt = sz + t * groups * 32;
-        for (int64_t r0 = 0; r0 < m; r0 += I4_ROW_BLOCK) {
-            const int64_t rows = m - r0 < I4_ROW_BLOCK ? m - r0 : I4_ROW_BLOCK;
-            float acc[I4_ROW_BLOCK * 16];
-            switch (rows) {
-                case 1: i4_tile<1>(pt, szt, x + r0 * k, xsum + r0 * groups, k, acc); break;
-                case 2: i4_tile<2>(pt, szt, x + r0 * k, xsum + r0 * groups, k, acc); break;
-                case 3: i4_tile<3>(pt, szt, x + r0 * k, xsum + r0 * groups, k, acc); break;
-                default: i4_tile<4>(pt, szt, x + r0 * k, xsum + r0 * groups, k, acc); break;
-            }
+        for (int64_t r0 = 0; r0 < m; r0 += ROW_BLOCK) {
+            const int64_t rows = m - r0 < ROW_BLOCK ? m - r0 : ROW_BLOCK;
+            float acc[ROW_BLOCK * 16];
+            PACER_ROWS(i4_tile, packed + t * groups * 256, sz + t * groups * 32, xq + r0 * k, sx + r0 * groups,
+                       xs + r0 * groups, k, acc)
             finish(acc, rows, bias ? bias + t * 16 : nullptr, out, out_bf16, r0 * n + t * 16, n);
         }
     }
-    delete[] xsum;
 }
 
 // Attention for causal decoders, one query row at a time (pacer_exact's rule: a row's result must not depend on
@@ -433,8 +395,20 @@ struct I4Weight {  // one Int4Linear(kernel="pacer"): packed tiles, bf16 scales 
     int64_t n;
 };
 
-static void i4_row(const I4Weight& w, const uint16_t* x, int64_t k, uint16_t* out) {
-    pacer_i4_matmul(w.packed, w.sz, w.n, k, x, 1, w.bias, 1, out);
+// one bf16 row quantized as pacer_i4_matmul reads it (blocks of 32)
+struct QuantRow {
+    int64_t k;
+    int8_t* xq;
+    float* sx;
+    int16_t* xs;
+    QuantRow(const uint16_t* x, int64_t k) : k(k), xq(new int8_t[k]), sx(new float[k / 32]), xs(new int16_t[k / 32]) {
+        pacer_quantize_rows(x, 1, k, 32, xq, sx, xs);
+    }
+    ~QuantRow() { delete[] xq; delete[] sx; delete[] xs; }
+};
+
+static void i4_row(const I4Weight& w, const QuantRow& x, uint16_t* out) {
+    pacer_i4_matmul(w.packed, w.sz, w.n, x.k, x.xq, x.sx, x.xs, 1, w.bias, 1, out);
 }
 
 // ws: q, k, v projections. h (hidden) -> q (heads * d), k and v (kv_heads * d), rotated, bf16.
@@ -443,9 +417,10 @@ extern "C" void pacer_draft_qkv(const uint16_t* h, int64_t hidden, const uint16_
                                 uint16_t* v) {
     uint16_t* x = new uint16_t[hidden];
     rms_norm(h, norm, hidden, eps, x);
-    i4_row(ws[0], x, hidden, q);
-    i4_row(ws[1], x, hidden, k);
-    i4_row(ws[2], x, hidden, v);
+    const QuantRow xr(x, hidden);
+    i4_row(ws[0], xr, q);
+    i4_row(ws[1], xr, k);
+    i4_row(ws[2], xr, v);
     rotary(q, ws[0].n / d, d, cos, sin);
     rotary(k, ws[1].n / d, d, cos, sin);
     delete[] x;
@@ -463,19 +438,20 @@ extern "C" void pacer_draft_rest(const uint16_t* q, const uint16_t* keys, const 
     uint16_t* a = new uint16_t[heads * d > inter ? heads * d : inter];
     for (int64_t i = 0; i < heads * d; ++i) a[i] = f2bf(attn[i]);
     uint16_t* o = new uint16_t[hidden];
-    i4_row(ws[0], a, heads * d, o);
+    i4_row(ws[0], QuantRow(a, heads * d), o);
     uint16_t* mid = new uint16_t[hidden];
     for (int64_t i = 0; i < hidden; ++i) mid[i] = f2bf(bf2f(h[i]) + bf2f(o[i]));
     rms_norm(mid, norm, hidden, eps, o);
     uint16_t* gate = new uint16_t[inter];
     uint16_t* up = new uint16_t[inter];
-    i4_row(ws[1], o, hidden, gate);
-    i4_row(ws[2], o, hidden, up);
+    const QuantRow normed(o, hidden);
+    i4_row(ws[1], normed, gate);
+    i4_row(ws[2], normed, up);
     for (int64_t i = 0; i < inter; ++i) {
         const float g = bf2f(gate[i]);
         a[i] = f2bf(round_bf(g / (1.0f + std::exp(-g))) * bf2f(up[i]));
     }
-    i4_row(ws[3], a, inter, o);
+    i4_row(ws[3], QuantRow(a, inter), o);
     for (int64_t i = 0; i < hidden; ++i) out[i] = f2bf(bf2f(mid[i]) + bf2f(o[i]));
     delete[] attn;
     delete[] a;
