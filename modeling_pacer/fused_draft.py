@@ -1,14 +1,16 @@
-"""A draft's one-token step with each decoder layer in two C++ calls ([`fuse_draft_layers`]).
+"""A draft's decoding steps with each decoder layer in two C++ calls ([`fuse_draft_layers`]).
 
 transformers' eager decoder layer runs some forty small torch operators per token (norms in float and back,
 rotary embeddings, reshapes, the MLP's activation), each a few microseconds of dispatch and allocation: over a
 0.5B draft's 24 layers that is about as much time as reading its int4 weights. [`fuse_draft_layers`] routes a
-layer's one-token, one-sequence forwards through pacer's kernels instead ([`kernels.draft_qkv`]: RMSNorm, the q/k/v
-projections, rotary embeddings; transformers' own cache update; [`kernels.draft_rest`]: attention over the whole
-cache, o_proj, the residual, RMSNorm, the SiLU-gated MLP and its residual). Intermediates are rounded to bf16
-where the eager layer rounds them, so the draft's numbers stay close to the eager layer's (not bitwise: float
-sums run in another order). Every other call (a prompt, a block of several tokens, a padded batch, a masked or
-windowed cache, gradients) runs the layer as before.
+layer's forwards of 1 to `MAX_ROWS` new tokens of one sequence (a decoding step; the catch-up of two tokens after a
+verification) through pacer's kernels instead ([`kernels.draft_qkv`]: RMSNorm, the q/k/v projections, rotary
+embeddings; transformers' own cache update; [`kernels.draft_rest`]: causal attention over the cache, o_proj, the
+residual, RMSNorm, the SiLU-gated MLP and its residual), each weight read once for all the rows. Intermediates are
+rounded to bf16 where the eager layer rounds them, so the draft's numbers stay close to the eager layer's (not
+bitwise: float sums run in another order); each row is computed alone, so a call of several tokens gives bitwise
+what one-token calls give. Every other call (a prompt, a padded batch, a masked or windowed cache, gradients) runs
+the layer as before.
 
 A draft's option only: its numbers change which tokens it proposes, never the output.
 """
@@ -26,11 +28,14 @@ from .quantization import Int4Linear
 FUSED_MODEL_TYPES = ("llama", "qwen2")  # RMSNorm, rotate_half rotary embeddings, GQA, a SiLU-gated MLP
 _ATTENTION = ("q_proj", "k_proj", "v_proj")
 _REST = (("self_attn", "o_proj"), ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
+# the most new tokens a call routes (a decoding step: 1; the catch-up after a verification: 2): the kernels read each
+# weight once for up to 8 rows; longer calls (a prompt) run the eager layer, whose int4 layers may go dense
+MAX_ROWS = 8
 
 
 class FusedDecoderStep:
-    """A decoder layer's forward: one token of one sequence through the kernels, anything else through the layer's
-    own forward (`original`)."""
+    """A decoder layer's forward: 1 to MAX_ROWS new tokens of one sequence through the kernels, anything else through
+    the layer's own forward (`original`)."""
 
     def __init__(self, layer: nn.Module, config):
         self.layer, self.original = layer, layer.forward
@@ -55,7 +60,8 @@ class FusedDecoderStep:
                                  use_cache=use_cache, position_embeddings=position_embeddings,
                                  **{self.cache_name: cache}, **kwargs)
         layer = self.layer
-        hidden = hidden_states.reshape(-1).contiguous()
+        rows = hidden_states.shape[1]
+        hidden = hidden_states.reshape(rows, self.hidden).contiguous()
         cos, sin = self._rotary_bf16(position_embeddings)
         qkv, rest = self._projections()
         norm = layer.input_layernorm
@@ -64,12 +70,12 @@ class FusedDecoderStep:
         norm = layer.post_attention_layernorm
         out = kernels.draft_rest(q, keys.contiguous(), values.contiguous(), self.scaling, hidden, norm.weight,
                                  norm.variance_epsilon, rest)
-        return out.view(1, 1, self.hidden)
+        return out.view(1, rows, self.hidden)
 
     def _rotary_bf16(self, position_embeddings):
         if self._rotary[0] is not position_embeddings:
             self._rotary = (position_embeddings,
-                            tuple(t.to(torch.bfloat16).contiguous() for t in position_embeddings))
+                            tuple(t.to(torch.bfloat16).reshape(-1, self.head_dim).contiguous() for t in position_embeddings))
         return self._rotary[1]
 
     def _projections(self):
@@ -81,23 +87,28 @@ class FusedDecoderStep:
         return self._weights[1], self._weights[2]
 
     def _takes(self, hidden_states, attention_mask, cache, position_embeddings) -> bool:
-        if (cache is None or position_embeddings is None or hidden_states.shape != (1, 1, self.hidden)
+        if (cache is None or position_embeddings is None or hidden_states.dim() != 3 or hidden_states.shape[0] != 1
+                or not 1 <= hidden_states.shape[1] <= MAX_ROWS or hidden_states.shape[2] != self.hidden
                 or hidden_states.dtype != torch.bfloat16 or torch.is_grad_enabled()
+                or position_embeddings[0].shape[-2] != hidden_states.shape[1]
                 or self.layer.input_layernorm.weight.dtype != torch.bfloat16
                 or self.layer.post_attention_layernorm.weight.dtype != torch.bfloat16
                 or any(m.kernel != "pacer" or m.bias_float is not None and m.bias_float.dtype != torch.float32
                        for m in self.qkv + self.rest)):
             return False
+        rows = hidden_states.shape[1]
         if attention_mask is None:
-            return True
-        # one query that sees every key of the cache once this token is added (no padding, no window)
-        length = cache.get_seq_length(self.layer_idx) + 1
+            return rows == 1  # several tokens: causal among themselves, which only a mask says
+        # the new tokens see every key of the cache and each other causally (no padding, no window)
+        length = cache.get_seq_length(self.layer_idx) + rows
         if self._mask[0] is attention_mask and self._mask[1] == length:
             return self._mask[2]
-        visible = attention_mask.dim() == 4 and attention_mask.shape[-2:] == (1, length) and bool(
-            (attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0).all())
-        self._mask = (attention_mask, length, visible)
-        return visible
+        causal = torch.ones(rows, length, dtype=torch.bool).tril(length - rows)
+        visible = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+        takes = attention_mask.dim() == 4 and attention_mask.shape[-2:] == (rows, length) and bool(
+            (visible == causal).all())
+        self._mask = (attention_mask, length, takes)
+        return takes
 
 
 def _fusable(layer: nn.Module) -> bool:

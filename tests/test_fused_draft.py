@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache
 
 from modeling_pacer import kernels
-from modeling_pacer.fused_draft import FusedDecoderStep, fuse_draft_layers, fused_layers
+from modeling_pacer.fused_draft import MAX_ROWS, FusedDecoderStep, fuse_draft_layers, fused_layers
 from modeling_pacer.quantization import quantize_linears
 
 from conftest import make_model
@@ -53,17 +53,39 @@ def test_one_token_steps_follow_the_eager_layer(arch):
         assert float((k_a - k_b).abs().max()) <= 0.02 * float(k_a.abs().max())
 
 
+def test_a_few_tokens_at_once_are_the_one_token_steps():
+    """A call of 2 to MAX_ROWS new tokens (a draft's catch-up after a verification) goes through the kernels and
+    gives, row for row, bitwise the logits, last hidden states and cache of one-token steps over the same tokens."""
+    fused = _int4_draft(seed=3)
+    fuse_draft_layers(fused)
+    ids = torch.randint(0, fused.config.vocab_size, (1, 6 + MAX_ROWS), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        for rows in (2, 3, MAX_ROWS):
+            caches = [DynamicCache(config=fused.config) for _ in range(2)]
+            for cache in caches:
+                fused(ids[:, :6], past_key_values=cache)
+            block = fused(ids[:, 6:6 + rows], past_key_values=caches[0], output_hidden_states=True)
+            steps = [fused(ids[:, i:i + 1], past_key_values=caches[1], output_hidden_states=True)
+                     for i in range(6, 6 + rows)]
+            assert torch.equal(block.logits, torch.cat([s.logits for s in steps], dim=1)), rows
+            assert torch.equal(block.hidden_states[-1], torch.cat([s.hidden_states[-1] for s in steps], dim=1)), rows
+            for a, b in zip(caches[0].layers, caches[1].layers):
+                assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
 def test_other_calls_run_the_eager_layer(monkeypatch):
-    """Several tokens, a batch of two, gradients, a cache with a masked (padded) key: the eager forward, bitwise;
-    only a one-token, one-sequence step without gradients reaches the kernels."""
+    """More than MAX_ROWS tokens, a batch of two, gradients, a cache with a masked (padded) key: the eager forward,
+    bitwise; only calls of 1 to MAX_ROWS tokens of one sequence without gradients reach the kernels."""
     eager = _int4_draft()
     fused = copy.deepcopy(eager)
     fuse_draft_layers(fused)
     calls = []
     monkeypatch.setattr(kernels, "draft_qkv", lambda *a, _f=kernels.draft_qkv: calls.append(1) or _f(*a))
     ids = torch.randint(0, eager.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(2))
+    prompt = torch.randint(0, eager.config.vocab_size, (1, MAX_ROWS + 1), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         assert torch.equal(fused(ids).logits, eager(ids).logits)  # a batch of 6-token rows
+        assert torch.equal(fused(prompt).logits, eager(prompt).logits)  # MAX_ROWS + 1 tokens
         mask = torch.ones(1, 6, dtype=torch.long)
         mask[0, 0] = 0  # left padding
         cache_a, cache_b = DynamicCache(config=eager.config), DynamicCache(config=eager.config)

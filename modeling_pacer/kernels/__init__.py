@@ -32,7 +32,7 @@ import torch
 
 SOURCE = Path(__file__).with_name("vnni_matmul.cpp")
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
-ABI = 9  # pacer_kernel_abi() of the source this module calls
+ABI = 10  # pacer_kernel_abi() of the source this module calls
 
 
 def _cache_dir() -> Path:
@@ -78,8 +78,8 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     library.pacer_exact_attention.argtypes = [p, p, p, i, i, i, i, i, i, p, p, ctypes.c_float, p]
     library.pacer_i4_matmul.argtypes = [p, p, i, i, p, p, p, i, p, ctypes.c_int, p]
     f = ctypes.c_float
-    library.pacer_draft_qkv.argtypes = [p, i, p, f, p, p, p, i, p, p, p]
-    library.pacer_draft_rest.argtypes = [p, p, p, i, i, i, i, f, p, i, p, f, p, i, p]
+    library.pacer_draft_qkv.argtypes = [p, i, i, p, f, p, p, p, i, p, p, p]
+    library.pacer_draft_rest.argtypes = [p, p, p, i, i, i, i, i, f, p, i, p, f, p, i, p]
     for fn in (library.pacer_quantize_rows, library.pacer_q4k_matmul, library.pacer_q8_matmul,
                library.pacer_i4_matmul, library.pacer_exact_attention, library.pacer_draft_qkv,
                library.pacer_draft_rest):
@@ -191,27 +191,27 @@ def _as_projections(layers) -> ctypes.Array:
 
 def draft_qkv(hidden: torch.Tensor, norm: torch.Tensor, eps: float, projections, cos: torch.Tensor,
               sin: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One token's `hidden` (bf16, contiguous) -> RMSNorm (`norm`, `eps`) -> the q, k, v `projections`
-    (Int4Linear(kernel="pacer") layers, or [`projections`] of them) -> rotary embeddings (`cos`, `sin`: bf16,
-    `head_dim`). Returns q (1, heads, 1, d), k and v (1, kv_heads, 1, d), bf16, as transformers' attention hands them
-    to its cache."""
-    size, weights = hidden.numel(), _as_projections(projections)
-    q, k, v = (torch.empty(1, w.n // head_dim, 1, head_dim, dtype=torch.bfloat16) for w in weights)
-    _library().pacer_draft_qkv(hidden.data_ptr(), size, norm.data_ptr(), eps, weights, cos.data_ptr(),
+    """A few new tokens' `hidden` ((m, size), bf16, contiguous) -> RMSNorm (`norm`, `eps`) -> the q, k, v
+    `projections` (Int4Linear(kernel="pacer") layers, or [`projections`] of them) -> rotary embeddings (`cos`, `sin`:
+    (m, `head_dim`), bf16). Returns q (1, heads, m, d), k and v (1, kv_heads, m, d), bf16, as transformers'
+    attention hands them to its cache; each row as a one-row call gives it."""
+    (rows, size), weights = hidden.shape, _as_projections(projections)
+    q, k, v = (torch.empty(1, w.n // head_dim, rows, head_dim, dtype=torch.bfloat16) for w in weights)
+    _library().pacer_draft_qkv(hidden.data_ptr(), rows, size, norm.data_ptr(), eps, weights, cos.data_ptr(),
                                sin.data_ptr(), head_dim, q.data_ptr(), k.data_ptr(), v.data_ptr())
     return q, k, v
 
 
 def draft_rest(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, hidden: torch.Tensor,
                norm: torch.Tensor, eps: float, projections) -> torch.Tensor:
-    """The rest of a decoder layer for one token: `q` (1, heads, 1, d) attends to all of `keys`/`values`
-    (1, kv_heads, length, d), then o_proj, the residual onto `hidden`, RMSNorm (`norm`, `eps`), the SiLU-gated
-    MLP and its residual. `projections`: o, gate, up, down (Int4Linear(kernel="pacer") layers, or [`projections`] of
-    them). bf16 in and out."""
+    """The rest of a decoder layer for the m new tokens: `q` (1, heads, m, d) attends to `keys`/`values`
+    (1, kv_heads, length, d, the new tokens last; row r sees keys 0..length - m + r), then o_proj, the residual onto
+    `hidden` (m, size), RMSNorm (`norm`, `eps`), the SiLU-gated MLP and its residual. `projections`: o, gate, up,
+    down (Int4Linear(kernel="pacer") layers, or [`projections`] of them). bf16 in and out, (m, size)."""
     out, weights = torch.empty_like(hidden), _as_projections(projections)
-    _, heads, _, dim = q.shape
-    _library().pacer_draft_rest(q.data_ptr(), keys.data_ptr(), values.data_ptr(), heads, keys.shape[1], keys.shape[2],
-                                dim, scaling, hidden.data_ptr(), hidden.numel(), norm.data_ptr(), eps,
+    _, heads, rows, dim = q.shape
+    _library().pacer_draft_rest(q.data_ptr(), keys.data_ptr(), values.data_ptr(), rows, heads, keys.shape[1],
+                                keys.shape[2], dim, scaling, hidden.data_ptr(), hidden.shape[-1], norm.data_ptr(), eps,
                                 weights, weights[1].n, out.data_ptr())
     return out
 

@@ -26,7 +26,7 @@
 #include <immintrin.h>
 #endif
 
-extern "C" int pacer_kernel_abi() { return 9; }
+extern "C" int pacer_kernel_abi() { return 10; }
 
 #ifdef PACER_VNNI
 extern "C" int pacer_vnni_available() { return 1; }
@@ -346,10 +346,12 @@ extern "C" void pacer_exact_attention(const uint16_t* q, const uint16_t* k, cons
 }
 
 // A draft's decoder layer (Llama / Qwen2: RMSNorm, rotary embeddings by rotate_half, grouped-query attention, a
-// SiLU-gated MLP) for one token, in two calls: the eager layer runs about forty small torch operators, each a
-// few microseconds of dispatch, where the arithmetic of one row takes less. Every linear layer is an int4 weight
-// read by i4_tile; every intermediate is rounded to bf16 where transformers' eager bf16 layer rounds it, so the
-// step follows that layer's numerics closely (not bitwise: float sums run in another order).
+// SiLU-gated MLP) for a few new tokens of one sequence (a decoding step, or the catch-up after a verification), in
+// two calls: the eager layer runs about forty small torch operators, each a few microseconds of dispatch, where the
+// arithmetic of a row takes less. Every linear layer is an int4 weight read by i4_tile, once for all the rows; every
+// intermediate is rounded to bf16 where transformers' eager bf16 layer rounds it, so the step follows that layer's
+// numerics closely (not bitwise: float sums run in another order). Each row is computed alone (row-invariant
+// kernels, attention row by row), so a call of several tokens gives bitwise what one-token calls give.
 static inline float bf2f(uint16_t b) {
     const uint32_t u = uint32_t(b) << 16;
     float f;
@@ -395,65 +397,84 @@ struct I4Weight {  // one Int4Linear(kernel="pacer"): packed tiles, bf16 scales 
     int64_t n;
 };
 
-// one bf16 row quantized as pacer_i4_matmul reads it (blocks of 32)
-struct QuantRow {
-    int64_t k;
+// bf16 rows quantized as pacer_i4_matmul reads them (blocks of 32)
+struct QuantRows {
+    int64_t m, k;
     int8_t* xq;
     float* sx;
     int16_t* xs;
-    QuantRow(const uint16_t* x, int64_t k) : k(k), xq(new int8_t[k]), sx(new float[k / 32]), xs(new int16_t[k / 32]) {
-        pacer_quantize_rows(x, 1, k, 32, xq, sx, xs);
+    QuantRows(const uint16_t* x, int64_t m, int64_t k)
+        : m(m), k(k), xq(new int8_t[m * k]), sx(new float[m * k / 32]), xs(new int16_t[m * k / 32]) {
+        pacer_quantize_rows(x, m, k, 32, xq, sx, xs);
     }
-    ~QuantRow() { delete[] xq; delete[] sx; delete[] xs; }
+    ~QuantRows() { delete[] xq; delete[] sx; delete[] xs; }
 };
 
-static void i4_row(const I4Weight& w, const QuantRow& x, uint16_t* out) {
-    pacer_i4_matmul(w.packed, w.sz, w.n, x.k, x.xq, x.sx, x.xs, 1, w.bias, 1, out);
+static void i4_rows(const I4Weight& w, const QuantRows& x, uint16_t* out) {
+    pacer_i4_matmul(w.packed, w.sz, w.n, x.k, x.xq, x.sx, x.xs, x.m, w.bias, 1, out);
 }
 
-// ws: q, k, v projections. h (hidden) -> q (heads * d), k and v (kv_heads * d), rotated, bf16.
-extern "C" void pacer_draft_qkv(const uint16_t* h, int64_t hidden, const uint16_t* norm, float eps, const I4Weight* ws,
-                                const uint16_t* cos, const uint16_t* sin, int64_t d, uint16_t* q, uint16_t* k,
-                                uint16_t* v) {
-    uint16_t* x = new uint16_t[hidden];
-    rms_norm(h, norm, hidden, eps, x);
-    const QuantRow xr(x, hidden);
-    i4_row(ws[0], xr, q);
-    i4_row(ws[1], xr, k);
-    i4_row(ws[2], xr, v);
-    rotary(q, ws[0].n / d, d, cos, sin);
-    rotary(k, ws[1].n / d, d, cos, sin);
+// (m, heads, d) rows -> (heads, m, d), as transformers' attention and cache hold them
+static void heads_first(const uint16_t* x, int64_t m, int64_t heads, int64_t d, uint16_t* out) {
+    for (int64_t r = 0; r < m; ++r)
+        for (int64_t h = 0; h < heads; ++h) std::memcpy(out + (h * m + r) * d, x + (r * heads + h) * d, d * 2);
+}
+
+// ws: q, k, v projections. h (m, hidden) -> q (heads, m, d), k and v (kv_heads, m, d), rotated (cos, sin: (m, d)),
+// bf16.
+extern "C" void pacer_draft_qkv(const uint16_t* h, int64_t m, int64_t hidden, const uint16_t* norm, float eps,
+                                const I4Weight* ws, const uint16_t* cos, const uint16_t* sin, int64_t d, uint16_t* q,
+                                uint16_t* k, uint16_t* v) {
+    uint16_t* x = new uint16_t[m * hidden];
+    for (int64_t r = 0; r < m; ++r) rms_norm(h + r * hidden, norm, hidden, eps, x + r * hidden);
+    const QuantRows xr(x, m, hidden);
+    uint16_t* outs[3] = {q, k, v};
+    for (int i = 0; i < 3; ++i) {
+        const int64_t n = ws[i].n;
+        uint16_t* rows = new uint16_t[m * n];
+        i4_rows(ws[i], xr, rows);
+        if (i < 2)
+            for (int64_t r = 0; r < m; ++r) rotary(rows + r * n, n / d, d, cos + r * d, sin + r * d);
+        heads_first(rows, m, n / d, d, outs[i]);
+        delete[] rows;
+    }
     delete[] x;
 }
 
-// ws: o, gate, up, down projections. q against the cached keys and values (1, kv_heads, length, d), all of
-// them visible; then o_proj, the residual, the MLP and its residual: h -> out (hidden), bf16.
-extern "C" void pacer_draft_rest(const uint16_t* q, const uint16_t* keys, const uint16_t* values, int64_t heads,
-                                 int64_t kv_heads, int64_t length, int64_t d, float scaling, const uint16_t* h,
-                                 int64_t hidden, const uint16_t* norm, float eps, const I4Weight* ws, int64_t inter,
-                                 uint16_t* out) {
-    float* attn = new float[heads * d];
-    const int64_t lo = 0, hi = length;
-    pacer_exact_attention(q, keys, values, 1, heads, kv_heads, 1, length, d, &lo, &hi, scaling, attn);
-    uint16_t* a = new uint16_t[heads * d > inter ? heads * d : inter];
-    for (int64_t i = 0; i < heads * d; ++i) a[i] = f2bf(attn[i]);
-    uint16_t* o = new uint16_t[hidden];
-    i4_row(ws[0], QuantRow(a, heads * d), o);
-    uint16_t* mid = new uint16_t[hidden];
-    for (int64_t i = 0; i < hidden; ++i) mid[i] = f2bf(bf2f(h[i]) + bf2f(o[i]));
-    rms_norm(mid, norm, hidden, eps, o);
-    uint16_t* gate = new uint16_t[inter];
-    uint16_t* up = new uint16_t[inter];
-    const QuantRow normed(o, hidden);
-    i4_row(ws[1], normed, gate);
-    i4_row(ws[2], normed, up);
-    for (int64_t i = 0; i < inter; ++i) {
+// ws: o, gate, up, down projections. q (heads, m, d), the m new tokens' queries, against the cached keys and values
+// (kv_heads, length, d; the new tokens last): row r sees keys 0 .. length - m + r. Then o_proj, the residual, the MLP
+// and its residual: h (m, hidden) -> out (m, hidden), bf16.
+extern "C" void pacer_draft_rest(const uint16_t* q, const uint16_t* keys, const uint16_t* values, int64_t m,
+                                 int64_t heads, int64_t kv_heads, int64_t length, int64_t d, float scaling,
+                                 const uint16_t* h, int64_t hidden, const uint16_t* norm, float eps, const I4Weight* ws,
+                                 int64_t inter, uint16_t* out) {
+    float* attn = new float[m * heads * d];
+    int64_t* lo = new int64_t[m];
+    int64_t* hi = new int64_t[m];
+    for (int64_t r = 0; r < m; ++r) { lo[r] = 0; hi[r] = length - m + r + 1; }
+    pacer_exact_attention(q, keys, values, 1, heads, kv_heads, m, length, d, lo, hi, scaling, attn);
+    const int64_t wide = heads * d > inter ? heads * d : inter;
+    uint16_t* a = new uint16_t[m * wide];
+    for (int64_t i = 0; i < m * heads * d; ++i) a[i] = f2bf(attn[i]);
+    uint16_t* o = new uint16_t[m * hidden];
+    i4_rows(ws[0], QuantRows(a, m, heads * d), o);
+    uint16_t* mid = new uint16_t[m * hidden];
+    for (int64_t i = 0; i < m * hidden; ++i) mid[i] = f2bf(bf2f(h[i]) + bf2f(o[i]));
+    for (int64_t r = 0; r < m; ++r) rms_norm(mid + r * hidden, norm, hidden, eps, o + r * hidden);
+    uint16_t* gate = new uint16_t[m * inter];
+    uint16_t* up = new uint16_t[m * inter];
+    const QuantRows normed(o, m, hidden);
+    i4_rows(ws[1], normed, gate);
+    i4_rows(ws[2], normed, up);
+    for (int64_t i = 0; i < m * inter; ++i) {
         const float g = bf2f(gate[i]);
         a[i] = f2bf(round_bf(g / (1.0f + std::exp(-g))) * bf2f(up[i]));
     }
-    i4_row(ws[3], QuantRow(a, inter), o);
-    for (int64_t i = 0; i < hidden; ++i) out[i] = f2bf(bf2f(mid[i]) + bf2f(o[i]));
+    i4_rows(ws[3], QuantRows(a, m, inter), o);
+    for (int64_t i = 0; i < m * hidden; ++i) out[i] = f2bf(bf2f(mid[i]) + bf2f(o[i]));
     delete[] attn;
+    delete[] lo;
+    delete[] hi;
     delete[] a;
     delete[] o;
     delete[] mid;
