@@ -292,6 +292,16 @@ def kernel_rows_only(model: nn.Module):
             m.dense_rows = rows
 
 
+QUANTIZED_LINEARS = (Int4Linear, Int8Linear, W4A8Linear, W8A8Linear)
+
+
+def place_on_huge_pages(model: nn.Module) -> int:
+    """`model`'s quantized linear layers' weights moved, unchanged, into one block of transparent huge pages
+    ([`kernels.move_buffers_to_huge_pages`]): a step streams them all, and 4 KiB pages cost bandwidth. Returns the
+    bytes moved (0 for a model without such layers)."""
+    return kernels.move_buffers_to_huge_pages([m for m in model.modules() if isinstance(m, QUANTIZED_LINEARS)])
+
+
 def w4a8_shape_ok(linear: nn.Linear) -> bool:
     """The VNNI kernels take this layer's shape (in_features divisible by 256, out_features by 16)."""
     return linear.in_features % SUPER_BLOCK == 0 and linear.out_features % 16 == 0

@@ -15,7 +15,8 @@ from modeling_pacer.exact_attention import make_exact
 from modeling_pacer.pairs import PairArguments, load_pair
 from modeling_pacer.pairs.loading import quantize_dynamic_int8
 from modeling_pacer.quantization import (
-    Int4Linear, Int8Linear, int4_kernel_available, kernel_rows_only, q4_k_grid, quantize_from_gguf, quantize_linears,
+    Int4Linear, Int8Linear, int4_kernel_available, kernel_rows_only, place_on_huge_pages, q4_k_grid, quantize_from_gguf,
+    quantize_linears,
 )
 
 from conftest import VOCAB, make_model
@@ -295,3 +296,32 @@ def test_load_pair_int4_draft(tmp_path):
     assert pair.draft.lm_head.kernel == ("pacer" if kernels.available() else "torch")
     assert type(pair.target.lm_head) is torch.nn.Linear and pair.quantize_target is None
     assert pair.setting == "bfloat16 exact"
+
+
+def test_weights_on_huge_pages_are_the_same_weights():
+    """place_on_huge_pages moves every quantized layer's buffers into one 64-byte-aligned block, values, dtypes and
+    shapes unchanged, and the model computes bitwise what it did; the dense copy for prompts stays where it was."""
+    model = quantize_linears(_tiny_qwen2().to(torch.bfloat16), "int4", dense_rows=4)
+    model.model.layers[0].mlp.down_proj = Int8Linear.from_linear(torch.nn.Linear(512, 256))
+    layers = [m for m in model.modules() if isinstance(m, (Int4Linear, Int8Linear))]
+    before = {(id(m), name): t.clone() for m in layers for name, t in m._buffers.items() if t is not None}
+    dense = [m.dense_weight.data_ptr() for m in layers if isinstance(m, Int4Linear)]
+    ids = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        reference = [model(ids).logits, model(ids[:, :2]).logits]
+        moved = place_on_huge_pages(model)
+        after = [model(ids).logits, model(ids[:, :2]).logits]
+    assert all(torch.equal(a, b) for a, b in zip(reference, after))
+    assert [m.dense_weight.data_ptr() for m in layers if isinstance(m, Int4Linear)] == dense
+    blocks = set()
+    for m in layers:
+        for name, t in m._buffers.items():
+            if t is None or name == "dense_weight":
+                continue
+            old = before[(id(m), name)]
+            assert t.dtype == old.dtype and t.shape == old.shape and torch.equal(t, old) and t.is_contiguous()
+            assert t.data_ptr() % 64 == 0
+            blocks.add(t.untyped_storage().data_ptr())
+    assert len(blocks) == 1
+    assert moved >= sum(t.numel() * t.element_size() for (_, name), t in before.items() if name != "dense_weight")
+    assert place_on_huge_pages(torch.nn.Linear(4, 4)) == 0

@@ -278,3 +278,47 @@ def pack_q8(codes: torch.Tensor, scale: torch.Tensor):
     t = n // 16
     c = (codes.to(torch.int16) + 128).to(torch.uint8).reshape(t, 16, k // 32, 8, 4)
     return c.permute(0, 2, 3, 1, 4).contiguous(), scale.float().reshape(t, 16).contiguous()
+
+
+HUGE_PAGE = 2 << 20  # x86-64's transparent huge page
+MADV_HUGEPAGE = 14  # <sys/mman.h>
+
+
+@functools.lru_cache(maxsize=1)
+def _madvise():
+    if platform.system() != "Linux":
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc.madvise
+
+
+def move_buffers_to_huge_pages(modules) -> int:
+    """Move the buffers of `modules` (the layers pacer's kernels read, e.g. a model's quantized linear layers) into
+    one block of memory asked of Linux as transparent huge pages (`madvise(MADV_HUGEPAGE)`, before the block is
+    first written): the kernels stream every weight once a step, and over 4 KiB pages the CPU's prefetchers stop at
+    each page and its TLB misses about every 4 KiB read; llama.cpp's weights, mapped from the file, get huge pages
+    from the page cache. The values are copied unchanged, and each module's buffers become views of the block (of
+    their own dtype and shape, 64-byte aligned). Where the kernel gives no huge pages (THP `never`, not Linux) the
+    block is plain memory. Returns the bytes moved."""
+    tensors = [(module, name, tensor) for module in modules for name, tensor in module._buffers.items()
+               if tensor is not None and tensor.numel() and tensor.device.type == "cpu"
+               and name not in getattr(module, "not_read_per_step", ())]  # e.g. a draft's dense copy for prompts
+    offsets, total = [], 0
+    for _, _, tensor in tensors:
+        offsets.append(total)
+        total += -(-tensor.numel() * tensor.element_size() // 64) * 64
+    if not total:
+        return 0
+    pages = -(-total // HUGE_PAGE) * HUGE_PAGE
+    block = torch.empty(pages + HUGE_PAGE, dtype=torch.uint8)  # room to start on a huge page's boundary
+    start = -block.data_ptr() % HUGE_PAGE
+    madvise = _madvise()
+    if madvise is not None:
+        madvise(block.data_ptr() + start, pages, MADV_HUGEPAGE)  # refused: the block stays on plain pages
+    for (module, name, tensor), offset in zip(tensors, offsets):
+        size = tensor.numel() * tensor.element_size()
+        view = block[start + offset:start + offset + size].view(tensor.dtype).view(tensor.shape)
+        view.copy_(tensor.contiguous())
+        module._buffers[name] = view
+    return total

@@ -244,11 +244,12 @@ def load_pair(
     # models first: on a registry pair this also assembles + converts on first use, which the tokenizer reuses
     target = load_model(spec.target, dtype=dtype, **common, **target_kwargs)
     if quantize_target is not None:
-        from ..quantization import quantize_from_gguf
+        from ..quantization import place_on_huge_pages, quantize_from_gguf
 
         gguf_file = source_gguf(spec.target, pacer_cache, pair_name=spec.name) or _hub_gguf(spec.target)
         other, activations = TARGET_QUANTIZATIONS[quantize_target]
         quantize_from_gguf(target, gguf_file, other=other, activations=activations)
+        place_on_huge_pages(target)  # its 4-bit weights, streamed once a forward
     if exact:
         from ..exact_attention import make_exact
 
@@ -299,7 +300,7 @@ def load_draft(source: ModelSource | str, dtype: torch.dtype, quantize_draft: st
         if quantize_draft == "int8":
             draft_model = quantize_dynamic_int8(draft_model)
         else:
-            from ..quantization import quantize_linears
+            from ..quantization import place_on_huge_pages, quantize_linears
 
             from .. import kernels
 
@@ -307,6 +308,7 @@ def load_draft(source: ModelSource | str, dtype: torch.dtype, quantize_draft: st
             # shapes: benchmarks/results/2026-12-03-draft-int4-kernel), else torch's
             draft_model = quantize_linears(draft_model, "int4", dense_rows=dense_rows,
                                            int4_kernel="pacer" if kernels.available() else "torch")
+            place_on_huge_pages(draft_model)  # its int4 weights, streamed once a step
             from ..fused_draft import fuse_draft_layers
 
             # and its one-token steps two kernel calls a decoder layer, not ~40 torch operators (Llama / Qwen2)
