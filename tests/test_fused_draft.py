@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache
 
 from modeling_pacer import kernels
-from modeling_pacer.fused_draft import MAX_ROWS, FusedDecoderStep, fuse_draft_layers, fused_layers
+from modeling_pacer.fused_draft import MAX_ROWS, FusedDecoderStep, FusedDraftStep, fuse_draft_layers, fused_layers
 from modeling_pacer.quantization import quantize_linears
 
 from conftest import make_model
@@ -110,3 +110,44 @@ def test_only_int4_kernel_layers_of_known_architectures_are_routed():
     mixed = _int4_draft()
     mixed.model.layers[1].mlp.down_proj = torch.nn.Linear(512, 256).to(torch.bfloat16)
     assert fuse_draft_layers(mixed) == 1 and isinstance(mixed.model.layers[0].forward, FusedDecoderStep)
+
+
+def test_the_model_step_is_the_layers_step(monkeypatch):
+    """With every layer routed, the model's own forward is routed too (FusedDraftStep): a decoding step of 1 to
+    MAX_ROWS tokens without hidden states asked for gives bitwise the logits and cache of the same step through the
+    model's forward over the routed layers; a prompt (empty cache), hidden states, a padded mask, position ids and
+    gradients go through the model's forward."""
+    fused = _int4_draft(seed=5)
+    fuse_draft_layers(fused)
+    assert isinstance(fused.forward, FusedDraftStep)
+    step = fused.forward
+    taken = []
+    monkeypatch.setattr(FusedDraftStep, "_takes", lambda self, *a, _f=FusedDraftStep._takes: taken.append(_f(self, *a))
+                        or taken[-1])
+    ids = torch.randint(0, fused.config.vocab_size, (1, 6 + MAX_ROWS), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        for rows in (1, 2, MAX_ROWS):
+            caches = [DynamicCache(config=fused.config) for _ in range(2)]
+            fused(ids[:, :6], past_key_values=caches[0])
+            step.original(input_ids=ids[:, :6], past_key_values=caches[1])
+            assert taken[-1] is False  # the prompt: the model's forward
+            a = fused(ids[:, 6:6 + rows], past_key_values=caches[0], logits_to_keep=1)
+            assert taken[-1] is True
+            b = step.original(input_ids=ids[:, 6:6 + rows], past_key_values=caches[1], logits_to_keep=1)
+            assert a.logits.shape == (1, 1, fused.config.vocab_size) and torch.equal(a.logits, b.logits), rows
+            for x, y in zip(caches[0].layers, caches[1].layers):
+                assert torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values)
+            assert torch.equal(fused(ids[:, :1], past_key_values=caches[0]).logits,
+                               step.original(input_ids=ids[:, :1], past_key_values=caches[1]).logits)
+        cache = DynamicCache(config=fused.config)
+        fused(ids[:, :6], past_key_values=cache)
+        fused(ids[:, 6:7], past_key_values=cache, output_hidden_states=True)
+        assert taken[-1] is False
+        padded = torch.ones(1, 8, dtype=torch.long)
+        padded[0, 0] = 0
+        fused(ids[:, 7:8], past_key_values=cache, attention_mask=padded)
+        assert taken[-1] is False
+        fused(ids[:, 8:9], past_key_values=cache, position_ids=torch.tensor([[8]]))
+        assert taken[-1] is False
+    fused(ids[:, 9:10], past_key_values=cache)
+    assert taken[-1] is False  # gradients on
