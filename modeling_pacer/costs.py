@@ -22,7 +22,7 @@ from . import kernels
 from .custom_generate.generate import crop_cache, model_forward
 from .draft_vocab import kept_tokens
 from .exact_linear import is_exact_linear
-from .fused_draft import fused_layers
+from .fused_draft import FusedDraftStep, fused_layers
 from .pairs.registry import cache_root
 from .resources import write_json
 
@@ -225,6 +225,8 @@ def describe_model(model) -> dict | None:
         **({"kept_tokens": kept} if (kept := kept_tokens(model)) is not None else {}),
         # a draft whose decoder layers take one-token steps in pacer's kernels (modeling_pacer.fused_draft)
         **({"fused_layers": fused} if (fused := fused_layers(model)) else {}),
+        # and whose decoding steps skip the model's own forward (modeling_pacer.fused_draft.FusedDraftStep)
+        **({"fused_model_step": True} if isinstance(getattr(model, "forward", None), FusedDraftStep) else {}),
     )
 
 

@@ -9,6 +9,7 @@ import torch
 from transformers import DynamicCache
 
 from modeling_pacer import kernels
+from modeling_pacer.costs import describe_model
 from modeling_pacer.fused_draft import MAX_ROWS, FusedDecoderStep, FusedDraftStep, fuse_draft_layers, fused_layers
 from modeling_pacer.quantization import quantize_linears
 
@@ -118,8 +119,11 @@ def test_the_model_step_is_the_layers_step(monkeypatch):
     model's forward over the routed layers; a prompt (empty cache), hidden states, a padded mask, position ids and
     gradients go through the model's forward."""
     fused = _int4_draft(seed=5)
+    before = describe_model(fused)
     fuse_draft_layers(fused)
     assert isinstance(fused.forward, FusedDraftStep)
+    # a cost curve of the routed model is its own
+    assert describe_model(fused) == dict(before, fused_layers=2, fused_model_step=True)
     step = fused.forward
     taken = []
     monkeypatch.setattr(FusedDraftStep, "_takes", lambda self, *a, _f=FusedDraftStep._takes: taken.append(_f(self, *a))
