@@ -37,6 +37,12 @@ _REST = (("self_attn", "o_proj"), ("mlp", "gate_proj"), ("mlp", "up_proj"), ("ml
 MAX_ROWS = 8
 
 
+def rotary_tables(position_embeddings, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A rotary embedding's (cos, sin), (1, rows, head_dim) as transformers hands them to the layers, as the kernels
+    read them: bf16, (rows, head_dim), contiguous."""
+    return tuple(t.to(torch.bfloat16).reshape(-1, head_dim).contiguous() for t in position_embeddings)
+
+
 class FusedDecoderStep:
     """A decoder layer's forward: 1 to MAX_ROWS new tokens of one sequence through the kernels, anything else through
     the layer's own forward (`original`)."""
@@ -63,23 +69,26 @@ class FusedDecoderStep:
             return self.original(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                                  use_cache=use_cache, position_embeddings=position_embeddings,
                                  **{self.cache_name: cache}, **kwargs)
-        layer = self.layer
         rows = hidden_states.shape[1]
-        hidden = hidden_states.reshape(rows, self.hidden).contiguous()
         cos, sin = self._rotary_bf16(position_embeddings)
+        out = self.step(hidden_states.reshape(rows, self.hidden).contiguous(), cos, sin, cache)
+        return out.view(1, rows, self.hidden)
+
+    def step(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache) -> torch.Tensor:
+        """The layer on the kernels: `hidden` (rows, size) and the rotary tables (rows, head_dim), bf16, after what
+        `cache` holds (the new keys and values appended to it) -> (rows, size)."""
+        layer = self.layer
         qkv, rest = self._projections()
         norm = layer.input_layernorm
         q, k, v = kernels.draft_qkv(hidden, norm.weight, norm.variance_epsilon, qkv, cos, sin, self.head_dim)
         keys, values = cache.update(k, v, self.layer_idx)
         norm = layer.post_attention_layernorm
-        out = kernels.draft_rest(q, keys.contiguous(), values.contiguous(), self.scaling, hidden, norm.weight,
-                                 norm.variance_epsilon, rest)
-        return out.view(1, rows, self.hidden)
+        return kernels.draft_rest(q, keys.contiguous(), values.contiguous(), self.scaling, hidden, norm.weight,
+                                  norm.variance_epsilon, rest)
 
     def _rotary_bf16(self, position_embeddings):
         if self._rotary[0] is not position_embeddings:
-            self._rotary = (position_embeddings,
-                            tuple(t.to(torch.bfloat16).reshape(-1, self.head_dim).contiguous() for t in position_embeddings))
+            self._rotary = (position_embeddings, rotary_tables(position_embeddings, self.head_dim))
         return self._rotary[1]
 
     def _projections(self):
@@ -90,19 +99,19 @@ class FusedDecoderStep:
             self._weights = (key, kernels.projections(self.qkv), kernels.projections(self.rest))
         return self._weights[1], self._weights[2]
 
-    def _takes_statically(self, hidden_states) -> bool:
-        """What does not depend on the cache or the mask: one sequence of 1 to MAX_ROWS bf16 rows, no gradients,
-        bf16 norms, every projection on pacer's kernel with a float32 bias or none."""
-        return (hidden_states.dim() == 3 and hidden_states.shape[0] == 1 and 1 <= hidden_states.shape[1] <= MAX_ROWS
-                and hidden_states.shape[2] == self.hidden and hidden_states.dtype == torch.bfloat16
-                and not torch.is_grad_enabled()
+    def routable(self, rows: int, dtype: torch.dtype) -> bool:
+        """What does not depend on the cache or the mask: 1 to MAX_ROWS rows of `dtype` bf16, no gradients, bf16
+        norms, every projection on pacer's kernel with a float32 bias or none."""
+        return (1 <= rows <= MAX_ROWS and dtype == torch.bfloat16 and not torch.is_grad_enabled()
                 and self.layer.input_layernorm.weight.dtype == torch.bfloat16
                 and self.layer.post_attention_layernorm.weight.dtype == torch.bfloat16
                 and all(m.kernel == "pacer" and (m.bias_float is None or m.bias_float.dtype == torch.float32)
                         for m in self.qkv + self.rest))
 
     def _takes(self, hidden_states, attention_mask, cache, position_embeddings) -> bool:
-        if (cache is None or position_embeddings is None or not self._takes_statically(hidden_states)
+        if (cache is None or position_embeddings is None or hidden_states.dim() != 3 or hidden_states.shape[0] != 1
+                or hidden_states.shape[2] != self.hidden
+                or not self.routable(hidden_states.shape[1], hidden_states.dtype)
                 or position_embeddings[0].shape[-2] != hidden_states.shape[1]):
             return False
         rows = hidden_states.shape[1]
@@ -140,20 +149,13 @@ class FusedDraftStep:
                                  inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
                                  logits_to_keep=logits_to_keep, **{self.cache_name: cache}, **kwargs)
         inner = self.model.model
-        rows, steps = input_ids.shape[1], self.layers
-        past = cache.get_seq_length()
+        rows, past = input_ids.shape[1], cache.get_seq_length()
         hidden = inner.embed_tokens(input_ids)
-        cos, sin = inner.rotary_emb(hidden, torch.arange(past, past + rows)[None])
-        cos, sin = (t.to(torch.bfloat16).reshape(rows, -1).contiguous() for t in (cos, sin))
+        positions = torch.arange(past, past + rows)[None]
+        cos, sin = rotary_tables(inner.rotary_emb(hidden, positions), self.layers[0].head_dim)
         x = hidden.reshape(rows, -1).contiguous()
-        for step in steps:
-            qkv, rest = step._projections()
-            norm = step.layer.input_layernorm
-            q, k, v = kernels.draft_qkv(x, norm.weight, norm.variance_epsilon, qkv, cos, sin, step.head_dim)
-            keys, values = cache.update(k, v, step.layer_idx)
-            norm = step.layer.post_attention_layernorm
-            x = kernels.draft_rest(q, keys.contiguous(), values.contiguous(), step.scaling, x, norm.weight,
-                                   norm.variance_epsilon, rest)
+        for step in self.layers:
+            x = step.step(x, cos, sin, cache)
         x = inner.norm(x[None])
         keep = x if not logits_to_keep else x[:, -logits_to_keep:]
         return CausalLMOutputWithPast(logits=self.model.lm_head(keep), past_key_values=cache)
@@ -167,10 +169,9 @@ class FusedDraftStep:
             return False
         if attention_mask is not None and not (attention_mask.dim() == 2 and bool(attention_mask.all())):
             return False
-        # every layer still routed and taking this call's shape and dtypes (the layer's own test, once a step)
-        step = self.layers[0]
-        dummy = torch.empty(1, input_ids.shape[1], step.hidden, dtype=self.model.model.embed_tokens.weight.dtype)
-        return all(isinstance(s, FusedDecoderStep) and layer.forward is s and s._takes_statically(dummy)
+        # every layer still routed and taking this call's rows and dtype (the layer's own test, once a step)
+        rows, dtype = input_ids.shape[1], self.model.model.embed_tokens.weight.dtype
+        return all(layer.forward is s and s.routable(rows, dtype)
                    for s, layer in zip(self.layers, self.model.model.layers))
 
 

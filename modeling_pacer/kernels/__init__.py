@@ -185,17 +185,13 @@ def projections(layers) -> ctypes.Array:
                   0 if m.bias_float is None else m.bias_float.data_ptr(), m.out_features) for m in layers))
 
 
-def _as_projections(layers) -> ctypes.Array:
-    return layers if isinstance(layers, ctypes.Array) else projections(layers)
-
-
-def draft_qkv(hidden: torch.Tensor, norm: torch.Tensor, eps: float, projections, cos: torch.Tensor,
+def draft_qkv(hidden: torch.Tensor, norm: torch.Tensor, eps: float, weights: ctypes.Array, cos: torch.Tensor,
               sin: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A few new tokens' `hidden` ((m, size), bf16, contiguous) -> RMSNorm (`norm`, `eps`) -> the q, k, v
-    `projections` (Int4Linear(kernel="pacer") layers, or [`projections`] of them) -> rotary embeddings (`cos`, `sin`:
+    `weights` ([`projections`] of Int4Linear(kernel="pacer") layers) -> rotary embeddings (`cos`, `sin`:
     (m, `head_dim`), bf16). Returns q (1, heads, m, d), k and v (1, kv_heads, m, d), bf16, as transformers'
     attention hands them to its cache; each row as a one-row call gives it."""
-    (rows, size), weights = hidden.shape, _as_projections(projections)
+    rows, size = hidden.shape
     q, k, v = (torch.empty(1, w.n // head_dim, rows, head_dim, dtype=torch.bfloat16) for w in weights)
     _library().pacer_draft_qkv(hidden.data_ptr(), rows, size, norm.data_ptr(), eps, weights, cos.data_ptr(),
                                sin.data_ptr(), head_dim, q.data_ptr(), k.data_ptr(), v.data_ptr())
@@ -203,12 +199,12 @@ def draft_qkv(hidden: torch.Tensor, norm: torch.Tensor, eps: float, projections,
 
 
 def draft_rest(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, hidden: torch.Tensor,
-               norm: torch.Tensor, eps: float, projections) -> torch.Tensor:
+               norm: torch.Tensor, eps: float, weights: ctypes.Array) -> torch.Tensor:
     """The rest of a decoder layer for the m new tokens: `q` (1, heads, m, d) attends to `keys`/`values`
     (1, kv_heads, length, d, the new tokens last; row r sees keys 0..length - m + r), then o_proj, the residual onto
-    `hidden` (m, size), RMSNorm (`norm`, `eps`), the SiLU-gated MLP and its residual. `projections`: o, gate, up,
-    down (Int4Linear(kernel="pacer") layers, or [`projections`] of them). bf16 in and out, (m, size)."""
-    out, weights = torch.empty_like(hidden), _as_projections(projections)
+    `hidden` (m, size), RMSNorm (`norm`, `eps`), the SiLU-gated MLP and its residual. `weights`: [`projections`] of the
+    o, gate, up, down layers (Int4Linear(kernel="pacer")). bf16 in and out, (m, size)."""
+    out = torch.empty_like(hidden)
     _, heads, rows, dim = q.shape
     _library().pacer_draft_rest(q.data_ptr(), keys.data_ptr(), values.data_ptr(), rows, heads, keys.shape[1],
                                 keys.shape[2], dim, scaling, hidden.data_ptr(), hidden.shape[-1], norm.data_ptr(), eps,
