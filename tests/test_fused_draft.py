@@ -103,6 +103,41 @@ def test_other_calls_run_the_eager_layer(monkeypatch):
     assert len(calls) == fused.config.num_hidden_layers
 
 
+def test_steps_read_the_projections_current_buffers(monkeypatch):
+    """The step keeps the projections' addresses between calls: a buffer replaced after fusing (another layer's
+    weights) is what the next step reads; a norm whose dtype changed sends its layer to the eager forward."""
+    fused = _int4_draft(seed=5)
+    fuse_draft_layers(fused)
+    ids = torch.randint(0, fused.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(6))
+    calls = []
+    monkeypatch.setattr(kernels, "draft_qkv", lambda *a, _f=kernels.draft_qkv: calls.append(1) or _f(*a))
+
+    def step_logits(model):
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(ids[:, :6], past_key_values=cache)
+            return model(ids[:, 6:], past_key_values=cache).logits
+
+    def swap_weights(model):  # layer 0's up projection gets layer 1's weights
+        mlp, other = model.model.layers[0].mlp, model.model.layers[1].mlp
+        mlp.up_proj.packed_weight = other.up_proj.packed_weight.clone()
+        mlp.up_proj.scales_and_zeros = other.up_proj.scales_and_zeros.clone()
+
+    before = step_logits(fused)
+    swap_weights(fused)
+    routed = step_logits(fused)
+    reference = _int4_draft(seed=5)  # the same swap before fusing: a first step builds its addresses afresh
+    swap_weights(reference)
+    fuse_draft_layers(reference)
+    assert not torch.equal(routed, before) and torch.equal(routed, step_logits(reference))
+    assert len(calls) == 3 * fused.config.num_hidden_layers  # every step on the kernels
+    norm = fused.model.layers[1].post_attention_layernorm
+    norm.weight.data = norm.weight.data.float()
+    step_logits(fused)
+    # layer 1's norm in float32: the step takes the model's forward, where layer 0 alone still runs on the kernels
+    assert len(calls) == 3 * fused.config.num_hidden_layers + 1
+
+
 def test_only_int4_kernel_layers_of_known_architectures_are_routed():
     assert fuse_draft_layers(_tiny_qwen2().to(torch.bfloat16)) == 0  # bf16 weights
     assert fuse_draft_layers(quantize_linears(_tiny_qwen2().to(torch.bfloat16), "int4")) == 0  # torch's int4 kernel
