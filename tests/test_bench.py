@@ -75,6 +75,25 @@ def test_live_run_counts_and_checks_every_method(setup):
             assert r.draft_forwards > 0 and r.target_forwards < NEW + 1 and r.draft_seconds > 0
     pacer = [r for r in records if r.method == "pacer"]
     assert all(r.head_seconds > 0 and sum(r.accepted) + len(r.accepted) == NEW for r in pacer)
+    # each run's first forward of each model is timed (the prompt's prefill); a model a method never calls has none
+    for r in records:
+        assert 0 < r.target_prefill_seconds <= r.target_seconds
+        if r.method == "target":
+            assert r.draft_prefill_seconds is None
+        else:
+            assert 0 < r.draft_prefill_seconds <= r.draft_seconds
+    # the oracle's end-to-end pricing swaps its one-token prefill for the measured ones
+    costs = CostModel({n: 0.01 * n for n in range(1, 10)}, 0.004, 0.001)
+    for row in runner.oracle_records(traces, costs, 8, records):
+        target = next(r for r in records if r.method == "target" and r.prompt_id == row["prompt_id"])
+        assert row["target_prefill_seconds"] == target.target_prefill_seconds
+        assert row["end_to_end_target_alone_seconds"] == pytest.approx(
+            row["target_alone_seconds"] - 0.01 + target.target_prefill_seconds)
+        drafted = any(row["draft_lengths"])
+        assert row["end_to_end_seconds"] == pytest.approx(
+            row["seconds"] - 0.01 + target.target_prefill_seconds
+            + (row["draft_prefill_seconds"] - 0.004 if drafted else 0.0))
+    assert all("end_to_end_seconds" not in row for row in runner.oracle_records(traces, costs, 8))
 
 
 def test_sampled_run_times_equal_lengths_and_repeats(setup, tmp_path):
@@ -198,6 +217,11 @@ def test_summary_ratios():
     assert rows[("d", "fixed-2")]["tau"] == 2.0 and rows[("d", "fixed-2")]["draft_forwards_per_token"] == 0.75
     assert rows[("d", "oracle (replay)")]["speedup"] == 4.0
     assert rows[("d", "fixed-2")]["of_oracle"] == 0.5
+    assert ("d", "oracle + measured prefills") not in rows  # no measured prefills: no end-to-end row
+    priced = [dict(oracle_rows[0], end_to_end_target_alone_seconds=5.0, end_to_end_seconds=2.5)]
+    rows_e2e = {(r["dataset"], r["method"]): r for r in summarize(records, priced)}
+    assert rows_e2e[("d", "oracle + measured prefills")]["speedup"] == 2.0
+    assert rows_e2e[("d", "fixed-2")]["of_oracle"] == 0.5  # still measured against the decoding-only oracle
     assert rows[("all", "target")]["speedup"] == 1.0
     # records from before forwards were timed: no breakdown (never a made-up 0%), the head's share alone
     assert rows[("d", "fixed-2")]["target_share"] is None and rows[("d", "fixed-2")]["other_share"] is None
@@ -488,3 +512,7 @@ def test_verdict_names_pacer_the_best_other_and_losslessness(tmp_path):
     summary[1]["speedup"], summary[3]["mismatches"] = 1.9, 1
     line = verdict(summary, tmp_path / "out")
     assert "best other: svip 1.90x (ahead of PACER)" in line and "NOT LOSSLESS: fixed-2 (1/3)" in line
+    # the end-to-end oracle bounds PACER's figure and is never "the best other method"
+    summary.append(row("oracle + measured prefills", 2.2))
+    line = verdict(summary, tmp_path / "out")
+    assert "the oracle with the measured prefills 2.20x" in line and "best other: svip" in line

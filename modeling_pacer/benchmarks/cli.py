@@ -267,7 +267,7 @@ def run(args) -> dict:
         records, traces = run_live(pair, head, methods, prompts, args.max_new_tokens, bar, args.oracle_max_draft,
                                    sampling=sampling_settings(args.temperature) if args.do_sample else None, seed=args.seed,
                                    failures=failures)
-    oracle_rows = oracle_records(traces, costs, args.oracle_max_draft)
+    oracle_rows = oracle_records(traces, costs, args.oracle_max_draft, records)
     meta = dict(command="pacer-bench " + " ".join(shlex.quote(a) for a in sys.argv[1:]), pair=pair.name,
                 head=portable_path(args.head), max_new_tokens=args.max_new_tokens, threads=torch.get_num_threads(),
                 quantize_draft=args.quantize_draft, aligned_draft=pair.aligned_draft, quantize_target=pair.quantize_target,

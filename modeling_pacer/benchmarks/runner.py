@@ -2,6 +2,7 @@
 the target alone (except llama.cpp's, which computes with its own numerics), forwards counted and timed with
 hooks so that transformers' own methods are measured too."""
 
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -32,6 +33,11 @@ class Record:
     # `head_seconds` is the decoding loop's own overhead (sampling, cache crops, Python)
     target_seconds: float | None = None
     draft_seconds: float | None = None
+    # wall time of the run's first forward of each model (None: not called): the prompt's prefill for the target
+    # alone and for pacer's loop (target first, then the draft's); in transformers' assisted generation the
+    # target's first forward also verifies the first draft. The oracle's end-to-end bound prices prefills with them
+    target_prefill_seconds: float | None = None
+    draft_prefill_seconds: float | None = None
     draft_lengths: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
     # how many new tokens equal the target's before the first difference (results before it: absent)
@@ -52,6 +58,7 @@ class ForwardMeter:
     def __init__(self, module):
         self.count = 0
         self.seconds = 0.0
+        self.first_seconds: float | None = None  # the first forward's wall time since `start_run`
         self._started: list[float] = []  # a stack, should the module's forward call itself
         device = next(module.parameters()).device
         self._sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
@@ -63,8 +70,15 @@ class ForwardMeter:
 
     def _post(self, *args):
         self._sync()
-        self.seconds += time.perf_counter() - self._started.pop()
+        elapsed = time.perf_counter() - self._started.pop()
+        self.seconds += elapsed
         self.count += 1
+        if self.first_seconds is None and not self._started:  # an outermost call
+            self.first_seconds = elapsed
+
+    def start_run(self):
+        """Forget the previous run's first forward."""
+        self.first_seconds = None
 
     def remove(self):
         for handle in self._handles:
@@ -73,15 +87,17 @@ class ForwardMeter:
 
 def _timed(method: Method, target, draft, head, input_ids, max_new_tokens, meters, llamacpp=None, sampling=None,
            seed=0):
-    """Run one method once: `(sequences, stats, seconds, [(forwards, forward seconds) per meter])`. Sampled
-    (`sampling` set), every method starts from torch's generator seeded with `seed`."""
+    """Run one method once: `(sequences, stats, seconds, [(forwards, forward seconds, first forward's seconds)
+    per meter])`. Sampled (`sampling` set), every method starts from torch's generator seeded with `seed`."""
     before = [(m.count, m.seconds) for m in meters]
+    for m in meters:
+        m.start_run()
     if sampling is not None:
         torch.manual_seed(seed)
     start = time.perf_counter()
     sequences, stats = run_method(method, target, draft, head, input_ids, max_new_tokens, llamacpp, sampling)
     seconds = time.perf_counter() - start
-    used = [(m.count - n, m.seconds - t) for m, (n, t) in zip(meters, before)]
+    used = [(m.count - n, m.seconds - t, m.first_seconds) for m, (n, t) in zip(meters, before)]
     return sequences, stats, seconds, used
 
 
@@ -142,7 +158,8 @@ def run_live(pair, head, methods: list[Method], prompts, max_new_tokens: int, pr
                     progress.update(1)
             reference = results["target"][0]
             for method in methods:
-                sequences, stats, seconds, ((target_fw, target_s), (draft_fw, draft_s)) = results[method.name]
+                sequences, stats, seconds, ((target_fw, target_s, target_first), (draft_fw, draft_s, draft_first)) = \
+                    results[method.name]
                 records.append(Record(
                     dataset, prompt_id, method.name, seconds,
                     new_tokens=sequences.shape[1] - input_ids.shape[1],
@@ -152,6 +169,7 @@ def run_live(pair, head, methods: list[Method], prompts, max_new_tokens: int, pr
                     draft_lengths=[s.drafted for s in stats.steps] if stats else [],
                     accepted=[s.accepted for s in stats.steps] if stats else [],
                     target_seconds=target_s, draft_seconds=draft_s,
+                    target_prefill_seconds=target_first, draft_prefill_seconds=draft_first,
                     agree_prefix=None if sampling else agree_prefix(sequences, reference, input_ids.shape[1]),
                     sampled=sampling is not None,
                 ))
@@ -166,15 +184,38 @@ def run_live(pair, head, methods: list[Method], prompts, max_new_tokens: int, pr
     return records, traces
 
 
-def oracle_records(traces: list[Trace], costs: CostModel, max_draft: int) -> list[dict]:
-    """Per prompt: the oracle's replayed schedule and its speedup over the target alone (same cost model)."""
+def measured_prefills(records: list[Record], dataset: str, prompt_id: str) -> tuple[float | None, float | None]:
+    """A prompt's prefills as the live run measured them: the target alone's first target forward, and the median
+    of the draft-using methods' first draft forwards (each the draft reading the same prompt). None where absent."""
+    mine = [r for r in records if (r.dataset, r.prompt_id) == (dataset, prompt_id)]
+    target = next((r.target_prefill_seconds for r in mine if r.method == "target"), None)
+    drafts = [r.draft_prefill_seconds for r in mine if r.draft_prefill_seconds is not None]
+    return target, (statistics.median(drafts) if drafts else None)
+
+
+def oracle_records(traces: list[Trace], costs: CostModel, max_draft: int, records: list[Record] = ()) -> list[dict]:
+    """Per prompt: the oracle's replayed schedule and its speedup over the target alone (same cost model), and
+    with `records` (the live run's) the prompt's measured prefills (`measured_prefills`), which the cost model
+    does not price: with them the report bounds the end-to-end speedup of any stopping rule."""
     rows = []
     for trace in traces:
         result = oracle(trace, costs, max_draft)
+        target_prefill, draft_prefill = measured_prefills(list(records), trace.dataset, trace.prompt_id)
+        end_to_end = {}
+        if target_prefill is not None and draft_prefill is not None and trace.length:
+            # both schedules price their prefill as one target token; the live one reads the whole prompt, and a
+            # schedule that drafts also pays the draft's prefill, whose forward gives its first drafted token
+            drafts = any(s.drafted for s in result.steps)
+            end_to_end = dict(
+                end_to_end_target_alone_seconds=result.target_alone_seconds - costs.target(1) + target_prefill,
+                end_to_end_seconds=result.seconds - costs.target(1) + target_prefill
+                + (draft_prefill - costs.draft_forward if drafts else 0.0),
+            )
         rows.append(dict(
             dataset=trace.dataset, prompt_id=trace.prompt_id, method="oracle",
             seconds=result.seconds, target_alone_seconds=result.target_alone_seconds,
             draft_lengths=[s.drafted for s in result.steps], accepted=[s.accepted for s in result.steps],
-            new_tokens=trace.length,
+            new_tokens=trace.length, target_prefill_seconds=target_prefill, draft_prefill_seconds=draft_prefill,
+            **end_to_end,
         ))
     return rows
