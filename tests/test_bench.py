@@ -261,6 +261,14 @@ def test_cli_help():
     assert exit_info.value.code == 0
 
 
+def test_costs_measures_the_quantized_setting_alone_by_default():
+    from modeling_pacer.benchmarks.cli import parse_args
+
+    assert parse_args(["costs"]).dtypes == ["bfloat16", "float32"]
+    assert parse_args(["costs", "--quantize-target", "w4a8"]).dtypes == ["w4a8"]
+    assert parse_args(["costs", "--dtypes", "bfloat16", "int4"]).dtypes == ["bfloat16", "int4"]
+
+
 def test_oracle_is_optimal_under_a_non_monotone_cost_curve():
     """Measured costs can dip (verifying 4 tokens cheaper than 3): the oracle must still beat any schedule."""
     from modeling_pacer.replay import Trace
@@ -403,6 +411,7 @@ def test_trace_files_round_trip_and_a_pickle_runs_nothing(setup, tmp_path):
     (["agreement"], "pass --quantize-target"),
     (["agreement", "--quantize-target", "int3"], "invalid choice"),
     (["costs", "--dtypes", "int3"], "--dtypes"),
+    (["costs", "--quantize-target", "w4a8", "--dtypes", "bfloat16", "float32"], "cannot also measure float32"),
     (["--temperature", "0.7"], "without --do-sample"),
     (["--do-sample", "--temperature", "0"], "temperature > 0"),
     (["--do-sample", "--methods", "target", "llama.cpp"], "greedy decoding only"),

@@ -91,9 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     costs = sub.add_parser("costs", help="measure this machine's cost curves (target verification of 1..n tokens, "
                            "draft, head) for one or more target dtypes, cached, and plot them")
     add_pair_arguments(costs)
-    costs.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"],
+    costs.add_argument("--dtypes", nargs="+", default=None,
                        help="target settings to measure (each loads the pair once): dtypes, or int4 / int4+int8 / w4a8 "
-                            "(a bf16 target with 4-bit weights, as --quantize-target), e.g. bfloat16 int4 float32")
+                            "(a bf16 target with 4-bit weights, as --quantize-target), e.g. bfloat16 int4 float32; "
+                            "default: bfloat16 float32, or the --quantize-target setting alone")
     costs.add_argument("--head", help="a PacerHead folder or repo id whose call is timed (default: the pair's head)")
     costs.add_argument("--max-tokens", type=_positive, default=12, help="verification forwards of 1..max-tokens tokens")
     costs.add_argument("--compare-exact", action="store_true",
@@ -129,10 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def apply_presets(args) -> None:
-    """`--quick`: one prompt per dataset, `QUICK_NEW_TOKENS` new tokens, `QUICK_METHODS` unless methods are named."""
+    """`--quick`: one prompt per dataset, `QUICK_NEW_TOKENS` new tokens, `QUICK_METHODS` unless methods are named.
+    `costs` without `--dtypes`: the `--quantize-target` setting alone, else bfloat16 and float32."""
     if getattr(args, "quick", False):
         args.n, args.max_new_tokens = 1, QUICK_NEW_TOKENS
         args.methods = args.methods or QUICK_METHODS
+    if args.command == "costs" and args.dtypes is None:
+        args.dtypes = [args.quantize_target] if args.quantize_target else ["bfloat16", "float32"]
 
 
 def validate(args) -> None:
@@ -165,6 +169,12 @@ def validate(args) -> None:
     if args.command == "costs":
         from modeling_pacer.pairs.loading import TARGET_QUANTIZATIONS, resolve_dtype
 
+        plain = [d for d in args.dtypes if d not in TARGET_QUANTIZATIONS and d not in ("bfloat16", "bf16")]
+        if args.quantize_target and plain:
+            # a 4-bit target computes in bf16: the plain dtypes would load after minutes of measuring, then fail
+            raise ValueError(f"--quantize-target {args.quantize_target} runs the target in bfloat16, so --dtypes cannot "
+                             f"also measure {' '.join(plain)}; name the 4-bit settings in --dtypes instead "
+                             f"(e.g. --dtypes bfloat16 {args.quantize_target} {' '.join(plain)})")
         for dtype in args.dtypes:
             try:
                 if dtype not in TARGET_QUANTIZATIONS:
