@@ -42,7 +42,6 @@ linear layers' padding costs little in bf16 (a few rows cost about what one does
 from __future__ import annotations
 
 import contextlib
-import threading
 
 import torch
 from transformers import AttentionInterface
@@ -50,6 +49,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from . import kernels
 from .exact_linear import exact_linears
+from .last_call import LastCall
 
 NAME = "pacer_exact"
 
@@ -112,22 +112,16 @@ def _causal_ranges(rows: torch.Tensor, window: int | None, padded: bool) -> list
     return [None] * first_seen + list(zip(lo_l, hi_l))
 
 
-_LAST_RANGES = threading.local()  # .entry = ((mask, version, q_len, kv_len, window), ranges): this thread's last
+# transformers builds a fresh mask for every forward and never edits it in place: an inference-mode mask (no
+# version counter) is known by its identity alone
+_LAST_RANGES = LastCall(unversioned_by_identity=True)
 
 
 def _row_ranges(attention_mask, q_len: int, kv_len: int, window: int | None) -> list[list[tuple[int, int] | None]]:
-    """[`_read_row_ranges`], computed once per forward: every layer of a forward is handed the same mask
-    tensor (held here, so its identity cannot be reused by another tensor while it is remembered; an in-place
-    change bumps its version; an inference tensor, made under `torch.inference_mode()`, has no version counter:
-    its identity alone, as transformers builds a fresh mask for every forward and never edits it in place)."""
-    version = None if attention_mask is None or attention_mask.is_inference() else attention_mask._version
-    key = (attention_mask, version, q_len, kv_len, window)
-    last = getattr(_LAST_RANGES, "entry", None)
-    if last is not None and last[0][0] is key[0] and last[0][1:] == key[1:]:
-        return last[1]
-    ranges = _read_row_ranges(attention_mask, q_len, kv_len, window)
-    _LAST_RANGES.entry = (key, ranges)
-    return ranges
+    """[`_read_row_ranges`], computed once per forward: every layer of a forward is handed the same mask tensor
+    ([`LastCall`])."""
+    return _LAST_RANGES.get(attention_mask, (q_len, kv_len, window),
+                            lambda: _read_row_ranges(attention_mask, q_len, kv_len, window))
 
 
 def _read_row_ranges(attention_mask, q_len: int, kv_len: int, window: int | None) -> list[list[tuple[int, int] | None]]:

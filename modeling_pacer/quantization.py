@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from . import kernels
+from .last_call import LastCall
 
 GROUP_SIZE = 32  # Q4_K's sub-block: 32 input weights share a scale and a minimum
 SUPER_BLOCK = 256  # Q4_K's super-block (one float16 d and dmin), and the W4A8/W8A8 activations' scale block
@@ -179,6 +180,17 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+# q and k (gate and up) read the same input: it is quantized once ([`LastCall`]); an inference-mode input, with no
+# version counter to tell an in-place change, is quantized every time
+_LAST_ROWS = LastCall(unversioned_by_identity=False)
+
+
+def quantized_input(x: torch.Tensor, in_features: int, block: int) -> kernels.QuantizedRows:
+    """`x`'s rows as the W4A8/W8A8 kernels read them, quantized in blocks of `block` inputs: once for layers fed the
+    same tensor one after another (bitwise the same rows: quantization reads only the row)."""
+    return _LAST_ROWS.get(x, (in_features, block), lambda: kernels.QuantizedRows(x.reshape(-1, in_features), block=block))
+
+
 class W4A8Linear(nn.Module):
     """`y = x W^T + b` over a Q4_K weight kept exactly as the GGUF file stores it (`W = d * sc * q - dmin * m`,
     q in 0..15 in groups of 32, d and dmin per 256), with the activations quantized to int8 per row in blocks of
@@ -231,7 +243,7 @@ class W4A8Linear(nn.Module):
         return cls(codes, sc, mn, d, dmin, linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = kernels.QuantizedRows(x.reshape(-1, self.in_features))
+        rows = quantized_input(x, self.in_features, SUPER_BLOCK)
         dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32  # the bias is added in float32 either way
         out = kernels.q4k_matmul(rows, self.packed_weight, self.sub_scales, self.sub_minimums, self.super_scales,
                                  self.out_features, self.bias, dtype)
@@ -267,7 +279,7 @@ class W8A8Linear(nn.Module):
         return cls(torch.round(w / scales[:, None]).clamp_(-127, 127), scales, linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = kernels.QuantizedRows(x.reshape(-1, self.in_features), block=32)
+        rows = quantized_input(x, self.in_features, 32)
         dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
         out = kernels.q8_matmul(rows, self.packed_weight, self.scales, self.out_features, self.bias, dtype)
         return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)

@@ -147,6 +147,34 @@ def test_rows_do_not_depend_on_the_row_count_or_threads(cls, threads):
     assert [(r.lo, r.hi) for r in row_runs(layer, 24)] == [(1, 24)]
 
 
+def test_layers_fed_one_tensor_quantize_it_once(monkeypatch):
+    """q and k (gate and up) read the same input: the second layer reuses its int8 rows, bitwise what quantizing
+    again gives; an input edited in place since, another tensor, another block size (an int8 layer) or an
+    inference-mode input (no version counter) is quantized afresh."""
+    torch.manual_seed(8)
+    first, second = (W4A8Linear.from_linear(torch.nn.Linear(512, 64)) for _ in range(2))
+    int8 = W8A8Linear.from_linear(torch.nn.Linear(512, 32))
+    made = []
+    monkeypatch.setattr(kernels, "QuantizedRows", lambda *a, _cls=kernels.QuantizedRows, **k: made.append(1) or _cls(*a, **k))
+    x = torch.randn(3, 512, dtype=torch.bfloat16)
+
+    def fresh(layer, x):  # what the layer gives on a tensor it has not seen (a copy: another object)
+        return layer(x.clone())
+
+    with torch.no_grad():
+        out = first(x), second(x)
+        assert len(made) == 1
+        assert torch.equal(out[1], fresh(second, x)) and len(made) == 2
+        x.mul_(2)  # in place: the version changes
+        assert torch.equal(second(x), fresh(second, x))
+        int8(x)
+        assert len(made) == 5
+    with torch.inference_mode():
+        y = torch.randn(3, 512, dtype=torch.bfloat16)
+        first(y), second(y)
+    assert len(made) == 7
+
+
 def test_quantize_from_gguf_with_int8_activations(tmp_path):
     model = _tiny_qwen2()
     _write_gguf(model, tmp_path / "tiny.gguf")
