@@ -221,7 +221,10 @@ def test_summary_ratios():
     priced = [dict(oracle_rows[0], end_to_end_target_alone_seconds=5.0, end_to_end_seconds=2.5)]
     rows_e2e = {(r["dataset"], r["method"]): r for r in summarize(records, priced)}
     assert rows_e2e[("d", "oracle + measured prefills")]["speedup"] == 2.0
-    assert rows_e2e[("d", "fixed-2")]["of_oracle"] == 0.5  # still measured against the decoding-only oracle
+    # a live speedup includes its prefills: its share is of the end-to-end oracle where the run measured them
+    assert rows_e2e[("d", "fixed-2")]["of_oracle"] == 1.0
+    assert rows_e2e[("d", "oracle + measured prefills")]["of_oracle"] == 1.0
+    assert rows_e2e[("d", "oracle (replay)")]["of_oracle"] is None
     assert rows[("all", "target")]["speedup"] == 1.0
     # records from before forwards were timed: no breakdown (never a made-up 0%), the head's share alone
     assert rows[("d", "fixed-2")]["target_share"] is None and rows[("d", "fixed-2")]["other_share"] is None

@@ -61,6 +61,15 @@ def summarize(records: list[dict], oracle_rows: list[dict]) -> list[dict]:
         d: sum(r["target_alone_seconds"] for r in rows) / sum(r["seconds"] for r in rows)
         for d, rows in oracle_by_dataset.items()
     }
+    # the same schedules with the prompts' prefills as the live run measured them: what any stopping rule could reach
+    # end to end, as the live speedups are measured (prefills included); None where a row lacks them
+    end_to_end_pairs = {
+        d: [(r["end_to_end_target_alone_seconds"], r["end_to_end_seconds"]) for r in rows]
+        for d, rows in oracle_by_dataset.items() if rows and all(r.get("end_to_end_seconds") is not None for r in rows)
+    }
+    end_to_end_speedup = {d: sum(t for t, _ in ps) / sum(m for _, m in ps) for d, ps in end_to_end_pairs.items()}
+    # a live row's "of oracle": against the end-to-end oracle where the run measured prefills, else the replayed one
+    reference = {**oracle_speedup, **end_to_end_speedup}
 
     rows = []
     for (dataset, method), rs in by_key.items():
@@ -84,7 +93,7 @@ def summarize(records: list[dict], oracle_rows: list[dict]) -> list[dict]:
             target_forwards_per_token=sum(r["target_forwards"] for r in rs) / tokens,
             draft_forwards_per_token=sum(r["draft_forwards"] for r in rs) / tokens,
             target_share=target_share, draft_share=draft_share, head_share=head_share, other_share=other_share,
-            of_oracle=speedup / oracle_speedup[dataset] if dataset in oracle_speedup else None,
+            of_oracle=speedup / reference[dataset] if dataset in reference else None,
             mismatches=mismatches, own_numerics=own_numerics, sampled=sampled,
             agree_prefix=None if None in prefixes else sum(prefixes) / len(prefixes),
         )
@@ -101,19 +110,15 @@ def summarize(records: list[dict], oracle_rows: list[dict]) -> list[dict]:
             speedup_ci=speedup_interval([(r["target_alone_seconds"], r["seconds"]) for r in rs]), tokens_per_s=None,
             tau=tokens / max(1, steps), target_forwards_per_token=steps / tokens,
             draft_forwards_per_token=sum(sum(r["draft_lengths"]) for r in rs) / tokens,
-            target_share=None, draft_share=None, head_share=0.0, other_share=None, of_oracle=1.0, mismatches=0,
+            target_share=None, draft_share=None, head_share=0.0, other_share=None,
+            of_oracle=None if dataset in end_to_end_speedup else 1.0, mismatches=0,
         ))
-    for dataset, rs in oracle_by_dataset.items():
-        # the same schedules with the prompts' prefills as the live run measured them: what any stopping rule
-        # could reach end to end (the live methods' speedups include their prefills)
-        if not rs or any(r.get("end_to_end_seconds") is None for r in rs):
-            continue
-        pairs = [(r["end_to_end_target_alone_seconds"], r["end_to_end_seconds"]) for r in rs]
+    for dataset, pairs in end_to_end_pairs.items():
         rows.append(dict(
-            dataset=dataset, method=END_TO_END_ORACLE, prompts=len(rs),
-            speedup=sum(t for t, _ in pairs) / sum(m for _, m in pairs), speedup_ci=speedup_interval(pairs),
-            tokens_per_s=None, tau=None, target_forwards_per_token=None, draft_forwards_per_token=None,
-            target_share=None, draft_share=None, head_share=None, other_share=None, of_oracle=None, mismatches=0,
+            dataset=dataset, method=END_TO_END_ORACLE, prompts=len(pairs), speedup=end_to_end_speedup[dataset],
+            speedup_ci=speedup_interval(pairs), tokens_per_s=None, tau=None, target_forwards_per_token=None,
+            draft_forwards_per_token=None, target_share=None, draft_share=None, head_share=None, other_share=None,
+            of_oracle=1.0, mismatches=0,
         ))
     order = {m: i for i, m in enumerate(dict.fromkeys(r["method"] for r in records))}
     order["oracle (replay)"] = len(order)
