@@ -173,8 +173,8 @@ def validate(args) -> None:
         if args.quantize_target and plain:
             # a 4-bit target computes in bf16: the plain dtypes would load after minutes of measuring, then fail
             raise ValueError(f"--quantize-target {args.quantize_target} runs the target in bfloat16, so --dtypes cannot "
-                             f"also measure {' '.join(plain)}; name the 4-bit settings in --dtypes instead "
-                             f"(e.g. --dtypes bfloat16 {args.quantize_target} {' '.join(plain)})")
+                             f"also measure {' '.join(plain)}; drop --quantize-target and name every setting in "
+                             f"--dtypes instead (e.g. --dtypes bfloat16 {args.quantize_target} {' '.join(plain)})")
         for dtype in args.dtypes:
             try:
                 if dtype not in TARGET_QUANTIZATIONS:

@@ -5,6 +5,7 @@ hooks so that transformers' own methods are measured too."""
 import statistics
 import sys
 import time
+from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -184,12 +185,12 @@ def run_live(pair, head, methods: list[Method], prompts, max_new_tokens: int, pr
     return records, traces
 
 
-def measured_prefills(records: list[Record], dataset: str, prompt_id: str) -> tuple[float | None, float | None]:
-    """A prompt's prefills as the live run measured them: the target alone's first target forward, and the median
-    of the draft-using methods' first draft forwards (each the draft reading the same prompt). None where absent."""
-    mine = [r for r in records if (r.dataset, r.prompt_id) == (dataset, prompt_id)]
-    target = next((r.target_prefill_seconds for r in mine if r.method == "target"), None)
-    drafts = [r.draft_prefill_seconds for r in mine if r.draft_prefill_seconds is not None]
+def measured_prefills(records: list[Record]) -> tuple[float | None, float | None]:
+    """One prompt's prefills as the live run measured them (`records`: that prompt's): the target alone's first
+    target forward, and the median of the draft-using methods' first draft forwards (each the draft reading the same
+    prompt). None where absent."""
+    target = next((r.target_prefill_seconds for r in records if r.method == "target"), None)
+    drafts = [r.draft_prefill_seconds for r in records if r.draft_prefill_seconds is not None]
     return target, (statistics.median(drafts) if drafts else None)
 
 
@@ -197,10 +198,13 @@ def oracle_records(traces: list[Trace], costs: CostModel, max_draft: int, record
     """Per prompt: the oracle's replayed schedule and its speedup over the target alone (same cost model), and
     with `records` (the live run's) the prompt's measured prefills (`measured_prefills`), which the cost model
     does not price: with them the report bounds the end-to-end speedup of any stopping rule."""
+    by_prompt = defaultdict(list)
+    for r in records:
+        by_prompt[(r.dataset, r.prompt_id)].append(r)
     rows = []
     for trace in traces:
         result = oracle(trace, costs, max_draft)
-        target_prefill, draft_prefill = measured_prefills(list(records), trace.dataset, trace.prompt_id)
+        target_prefill, draft_prefill = measured_prefills(by_prompt[(trace.dataset, trace.prompt_id)])
         end_to_end = {}
         if target_prefill is not None and draft_prefill is not None and trace.length:
             # both schedules price their prefill as one target token; the live one reads the whole prompt, and a
