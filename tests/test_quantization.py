@@ -222,6 +222,31 @@ def test_int4_dense_rows_runs_long_calls_on_the_dequantized_weight():
         exact_linears(torch.nn.Sequential(dense))
 
 
+def test_load_draft_keeps_a_dense_copy_only_for_torchs_int4_kernel(tmp_path, monkeypatch):
+    """load_draft's int4 draft: on pacer's int4 kernel its prompt stays int4 (no dense copy held); on torch's, whose
+    cost grows with the rows, calls of DRAFT_DENSE_ROWS rows or more run on the dense copy; an explicit
+    `dense_rows` is kept either way and a bad one is a clear error."""
+    from modeling_pacer.pairs.loading import DRAFT_DENSE_ROWS, load_draft
+
+    _tiny_qwen2().save_pretrained(tmp_path / "draft")
+
+    def int4_layers(**kwargs):
+        draft = load_draft(str(tmp_path / "draft"), torch.bfloat16, "int4", **kwargs)
+        return [m for m in draft.modules() if isinstance(m, Int4Linear)]
+
+    if kernels.available():
+        layers = int4_layers()
+        assert layers and all(m.kernel == "pacer" and m.dense_rows is None and m.dense_weight is None for m in layers)
+        assert all(m.dense_rows == 64 for m in int4_layers(dense_rows=64))
+    monkeypatch.setattr(kernels, "available", lambda: False)
+    layers = int4_layers()
+    assert layers and all(m.kernel == "torch" and m.dense_rows == DRAFT_DENSE_ROWS for m in layers)
+    assert all(m.dense_rows is None for m in int4_layers(dense_rows=None))
+    for bad in (1, "dense", 2.5):
+        with pytest.raises(ValueError, match="dense_rows must be"):
+            load_draft(str(tmp_path / "draft"), torch.bfloat16, "int4", dense_rows=bad)
+
+
 @pytest.mark.parametrize("draft_kind", ["int4", "int4-dense", "int8"] + [pytest.param(
     kind, marks=pytest.mark.skipif(not kernels.available(), reason="pacer's kernels are not available"))
     for kind in ("int4-pacer", "int4-fused")])

@@ -272,19 +272,24 @@ def default_draft_dtype(quantize_draft: str | None, dtype: torch.dtype | str) ->
     return {"int8": torch.float32, "int4": torch.bfloat16}.get(quantize_draft, dtype)
 
 
-# an int4 draft reads a prompt of at least this many tokens with a dense bf16 copy of its weights: torch's int4
-# kernel costs in proportion to the rows, a bf16 matmul about one weight read (the two cross near 24 rows on an
-# AMD EPYC: benchmarks/results/2026-12-03-draft-dense-prefill); decoding steps (1-2 rows) stay int4
+# an int4 draft on torch's int4 kernel (a CPU without pacer's) reads a prompt of at least this many tokens with a
+# dense bf16 copy of its weights: that kernel costs in proportion to the rows, a bf16 matmul about one weight read (the
+# two cross near 24 rows on an AMD EPYC: benchmarks/results/2026-12-03-draft-dense-prefill). On pacer's int4 kernel
+# the prompt stays int4: as fast as the copy up to 256 tokens and faster below, 5-9% slower from 512, and no copy to
+# hold (benchmarks/results/2026-12-03-draft-kernel-prefill)
 DRAFT_DENSE_ROWS = 32
 
 
 def load_draft(source: ModelSource | str, dtype: torch.dtype, quantize_draft: str | None = None,
                aligned_draft: str | os.PathLike | None = None, *, draft_vocab: int | None = None, tokenizer=None,
-               dense_rows: int | None = DRAFT_DENSE_ROWS, **kwargs) -> torch.nn.Module:
+               dense_rows: int | None | str = "auto", **kwargs) -> torch.nn.Module:
     """A draft as `load_pair` makes it: loaded in `dtype`, the `aligned_draft` adapter merged in, its LM head
     reduced to `draft_vocab` tokens (with `tokenizer`, whose special tokens it keeps), then its Linear layers
     quantized (`quantize_draft`: one of DRAFT_QUANTIZATIONS, or None; an int4 draft runs calls of `dense_rows`
-    rows or more, its prompt, on a dense bf16 copy: None for int4 everywhere). `kwargs` go to `load_model`."""
+    rows or more, its prompt, on a dense bf16 copy: None for int4 everywhere; "auto": int4 everywhere on pacer's
+    kernel, DRAFT_DENSE_ROWS on torch's). `kwargs` go to `load_model`."""
+    if not (dense_rows is None or dense_rows == "auto" or (isinstance(dense_rows, int) and dense_rows >= 2)):
+        raise ValueError(f"dense_rows must be an integer >= 2, None or 'auto', got {dense_rows!r}")
     if draft_vocab is not None and tokenizer is None:
         raise ValueError("draft_vocab needs the tokenizer (its special tokens stay draftable)")
     draft_model = load_model(source, dtype=dtype, **kwargs)
@@ -306,8 +311,10 @@ def load_draft(source: ModelSource | str, dtype: torch.dtype, quantize_draft: st
 
             # pacer's int4 kernel where this CPU runs it (about twice torch's speed at one row on a small draft's
             # shapes: benchmarks/results/2026-12-03-draft-int4-kernel), else torch's
-            draft_model = quantize_linears(draft_model, "int4", dense_rows=dense_rows,
-                                           int4_kernel="pacer" if kernels.available() else "torch")
+            kernel = "pacer" if kernels.available() else "torch"
+            if dense_rows == "auto":
+                dense_rows = None if kernel == "pacer" else DRAFT_DENSE_ROWS
+            draft_model = quantize_linears(draft_model, "int4", dense_rows=dense_rows, int4_kernel=kernel)
             place_on_huge_pages(draft_model)  # its int4 weights, streamed once a step
             from ..fused_draft import fuse_draft_layers
 
