@@ -54,11 +54,39 @@ class CostModel:
         return cls({int(k): v for k, v in data["target_forward"].items()}, data["draft_forward"], data.get("head_call", 0.0))
 
 
+def synchronize(devices) -> None:
+    """Wait until the work queued on each of `devices` is done: a GPU runs what it is handed asynchronously,
+    so a clock read right after a launch measures the launch, not the work. Nothing to wait for on a CPU
+    (or on `meta`, which runs nothing)."""
+    for device in devices:
+        device = torch.device(device)
+        if device.type not in ("cpu", "meta"):
+            torch.accelerator.synchronize(device)
+
+
+def device_clock(*devices):
+    """A clock for timing work on `devices` (torch devices or strings): `time.perf_counter` read after
+    [`synchronize`]. Every timing of the cost model goes through it."""
+    devices = tuple(dict.fromkeys(torch.device(d) for d in devices))
+
+    def clock() -> float:
+        synchronize(devices)
+        return time.perf_counter()
+
+    return clock
+
+
+def model_devices(*models) -> tuple[torch.device, ...]:
+    """The devices the parameters of `models` (None skipped) sit on, each once."""
+    return tuple(dict.fromkeys(p.device for m in models if m is not None for p in m.parameters()))
+
+
 def interleaved_medians(fns: list, repeats: int, clock=time.perf_counter) -> list[float]:
     """The median seconds of each of `fns` over `repeats` rounds that call every one of them once, in turn
     (after one warm-up round, excluded). On a shared machine a burst of load lasts a while: timing each
     function `repeats` times in a row lets one burst inflate every sample of one size (a curve with a false
-    step), while rounds spread it over one sample of several sizes, which the median then drops."""
+    step), while rounds spread it over one sample of several sizes, which the median then drops. For work on a
+    GPU, pass [`device_clock`] of its devices."""
     times = [[] for _ in fns]
     for round_ in range(repeats + 1):
         for fn, samples in zip(fns, times):
@@ -72,7 +100,8 @@ def interleaved_medians(fns: list, repeats: int, clock=time.perf_counter) -> lis
 @torch.no_grad()
 def measure_costs(target, draft, head, input_ids: torch.Tensor, max_tokens: int, repeats: int = 5) -> CostModel:
     """Time forwards after a cached `input_ids` prefix `(1, L)`: the target for 1..max_tokens input
-    tokens, the draft for one, the head over a `max_tokens - 1` draft."""
+    tokens, the draft for one, the head over a `max_tokens - 1` draft. Every tensor made here follows the
+    device and dtype of the model that reads it, and the clock waits for those devices ([`device_clock`])."""
     def after_prefix(model):
         cache = DynamicCache(config=model.config)
         model_forward(model, input_ids, cache, 1)
@@ -92,10 +121,12 @@ def measure_costs(target, draft, head, input_ids: torch.Tensor, max_tokens: int,
     fns = [lambda n=n: target_step(n) for n in range(1, max_tokens + 1)] + [draft_step]
     if head is not None:
         length = max(1, min(max_tokens - 1, head.config.max_draft_length))  # the longest draft it reads
-        hidden = torch.randn(1, length, head.config.draft_hidden_size, dtype=head.dtype)
-        features = torch.rand(1, length, 2) if getattr(head.config, "use_draft_features", False) else None
+        # as the loop hands them: the draft's hidden states in the head's dtype, features in float32, on its device
+        hidden = torch.randn(1, length, head.config.draft_hidden_size, dtype=head.dtype, device=head.device)
+        features = (torch.rand(1, length, 2, device=head.device)
+                    if getattr(head.config, "use_draft_features", False) else None)
         fns.append(lambda: head.acceptance_probabilities(hidden, draft_features=features))
-    seconds = interleaved_medians(fns, repeats)
+    seconds = interleaved_medians(fns, repeats, clock=device_clock(*model_devices(target, draft, head)))
     costs = dict(zip(range(1, max_tokens + 1), seconds))
     return CostModel(costs, seconds[max_tokens], seconds[max_tokens + 1] if head is not None else 0.0)
 
@@ -130,10 +161,11 @@ def measure_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
     return data.numel() * 4 / seconds
 
 
-def fixed_prefix(model, tokens: int = 128) -> torch.Tensor:
-    """The `(1, tokens)` prefix every timing here runs after: fixed ids (only time is measured), so curves
-    from different runs are comparable."""
-    vocab = model.config.get_text_config(decoder=True).vocab_size
+def fixed_prefix(model, tokens: int = 128, *others) -> torch.Tensor:
+    """The `(1, tokens)` prefix every timing here runs after, on `model`'s device: fixed ids (only time is
+    measured), so curves from different runs are comparable; ids every one of `model` and `others` (None
+    skipped) embeds (a draft's vocabulary may stop short of its target's padded one)."""
+    vocab = min(m.config.get_text_config(decoder=True).vocab_size for m in (model, *others) if m is not None)
     return (torch.arange(tokens) * 7919 % vocab).view(1, -1).to(next(model.parameters()).device)
 
 
@@ -144,15 +176,16 @@ def time_split(model, input_ids: torch.Tensor, tokens: int = 1, repeats: int = 5
     activations, embeddings, rotary, the model's Python glue) and "total". Measured with forward hooks,
     whose own cost (a few microseconds per module) lands in the groups."""
     spent = {"linear": 0.0, "attention": 0.0}
+    clock = device_clock(*model_devices(model))  # on a GPU every hook waits for the work before it
     starts, handles, in_attention = {}, [], set()  # in_attention: ids of the attention modules' projections
     groups = {id(m): "linear" if _is_linear(m) else "attention" for m in model.modules()
               if _is_linear(m) or type(m).__name__.endswith("Attention")}
 
     def pre(module, args):
-        starts[id(module)] = time.perf_counter()
+        starts[id(module)] = clock()
 
     def post(module, args, output):
-        seconds = time.perf_counter() - starts.pop(id(module))
+        seconds = clock() - starts.pop(id(module))
         spent[groups[id(module)]] += seconds
         if id(module) in in_attention:
             spent["attention"] -= seconds  # the projections count as linear layers, not as attention
@@ -170,9 +203,9 @@ def time_split(model, input_ids: torch.Tensor, tokens: int = 1, repeats: int = 5
     try:
         for _ in range(repeats + 1):  # the first one warms up
             spent.update(linear=0.0, attention=0.0)
-            t0 = time.perf_counter()
+            t0 = clock()
             model_forward(model, input_ids[:, -1:].repeat(1, tokens), cache, tokens)
-            total = time.perf_counter() - t0
+            total = clock() - t0
             crop_cache(cache, prefix)
             samples.append(dict(spent, total=total, other=total - spent["linear"] - spent["attention"]))
     finally:
@@ -201,6 +234,14 @@ def cpuinfo_field(name: str) -> str | None:
     return None
 
 
+def device_name(device) -> str | None:
+    """The accelerator's product name (e.g. "NVIDIA H200") for a CUDA device; None for a CPU and elsewhere."""
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name(device)
+    return None
+
+
 def describe_model(model) -> dict | None:
     """What decides a model's forward cost, as JSON: its checkpoint, parameter dtype, attention
     implementation, and the classes of its linear layers (quantized or not) with pacer's row padding."""
@@ -218,6 +259,8 @@ def describe_model(model) -> dict | None:
         model_class=type(model).__name__,
         dtype=str(param.dtype) if param is not None else None,
         device=str(param.device) if param is not None else None,
+        # a curve measured on one GPU model says nothing of another's (on a CPU the host's fields say which)
+        **({"device_name": name} if param is not None and (name := device_name(param.device)) else {}),
         attn_implementation=getattr(config, "_attn_implementation", None),
         parameters=sum(p.numel() for p in model.parameters()),
         linears=linears,
@@ -300,7 +343,7 @@ def host_costs(target, draft, head=None, *, max_tokens: int = 9, prefix_tokens: 
                 cached = CostModel.from_dict(saved["costs"])
                 if not check:
                     return cached
-                now = measure_costs(target, draft, None, fixed_prefix(target, prefix_tokens), 1, repeats=3)
+                now = measure_costs(target, draft, None, fixed_prefix(target, prefix_tokens, draft), 1, repeats=3)
                 ratio = curve_disagrees(cached, [0], now.target(1))
                 if ratio is None:
                     return cached
@@ -309,7 +352,7 @@ def host_costs(target, draft, head=None, *, max_tokens: int = 9, prefix_tokens: 
                     f"measured now {1000 * now.target(1):.0f} ms ({ratio:.2f}x): measuring the curve again", stacklevel=2)
         except (ValueError, KeyError, TypeError):
             pass  # unreadable or from another version: measure again
-    prefix = fixed_prefix(target, prefix_tokens)
+    prefix = fixed_prefix(target, prefix_tokens, draft)
     costs = measure_costs(target, draft, head, prefix, max_tokens, repeats)
     if check:
         costs = _recheck(costs, target, draft, head, prefix, max_tokens, repeats)

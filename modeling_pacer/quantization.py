@@ -130,6 +130,7 @@ class Int4Linear(nn.Module):
                    kernel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernels.require_cpu(x, self.packed_weight)  # torch's int4 op and pacer's kernel are both CPU-only
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
         if self.dense_rows is not None and flat.shape[0] >= self.dense_rows:
             out = nn.functional.linear(flat, self.dense_weight, self.bias)
@@ -170,6 +171,7 @@ class Int8Linear(nn.Module):
         return cls(codes, scales, linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernels.require_cpu(x, self.weight_int8)  # the CPU kernel is the one tested row-invariant
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
         out = torch.ops.aten._weight_int8pack_mm(flat, self.weight_int8, self.scales)
         if self.bias is not None:

@@ -194,8 +194,13 @@ class PacerHead(PacerPreTrainedModel):
 
         if self.position_embedding is not None:
             if draft_positions is None:
+                # checked on the shape: reading a tensor's value would wait for a GPU at every call
+                if length > self.config.max_draft_length:
+                    raise ValueError(
+                        f"a draft of {length} tokens is beyond the head's max_draft_length ({self.config.max_draft_length})."
+                    )
                 draft_positions = torch.arange(length, device=device).expand(batch, length)
-            if draft_positions.max() >= self.config.max_draft_length:
+            elif draft_positions.max() >= self.config.max_draft_length:
                 raise ValueError(
                     f"draft position {int(draft_positions.max())} is beyond the head's max_draft_length "
                     f"({self.config.max_draft_length})."

@@ -112,19 +112,21 @@ class PacerGenerateOutput(GenerateDecoderOnlyOutput):
 
 
 class _Timer:
-    """Adds the elapsed time of a block to `stats.<name>_time` (synchronising CUDA first)."""
+    """Adds the elapsed time of a block to `stats.<name>_time`, waiting for `device` before each clock reading
+    (a GPU runs what it is handed asynchronously: without the wait the time is the launches')."""
 
     def __init__(self, stats: PacerStats, name: str, device: torch.device):
-        self.stats, self.name, self.cuda = stats, name, device.type == "cuda"
+        self.stats, self.name = stats, name
+        self.device = device if device.type not in ("cpu", "meta") else None
 
     def __enter__(self):
-        if self.cuda:
-            torch.cuda.synchronize()
+        if self.device is not None:
+            torch.accelerator.synchronize(self.device)
         self.start = time.perf_counter()
 
     def __exit__(self, *exc):
-        if self.cuda:
-            torch.cuda.synchronize()
+        if self.device is not None:
+            torch.accelerator.synchronize(self.device)
         attr = f"{self.name}_time"
         setattr(self.stats, attr, getattr(self.stats, attr) + time.perf_counter() - self.start)
 
@@ -256,7 +258,7 @@ def propose(
     def acceptance() -> torch.Tensor:
         k = len(tokens)
         if k not in head_cache:
-            with _Timer(stats, "head", device):
+            with _Timer(stats, "head", head.device):
                 hidden = torch.cat(states, dim=1).to(head.device)
                 features = None
                 if getattr(head.config, "use_draft_features", False):
@@ -269,7 +271,7 @@ def propose(
     seq = ids
     feed = ids[:, draft_cache.get_seq_length() :]
     while True:
-        with _Timer(stats, "draft", device):
+        with _Timer(stats, "draft", draft_model.device):
             logits, hidden = model_forward(draft_model, feed, draft_cache, 1, hidden=policy.needs_head or keep_hidden)
         stats.draft_forwards += 1
         score = logits_processor(seq, logits[:, 0, :].to(device))
@@ -307,7 +309,7 @@ def verify(model, target_cache, ids: torch.LongTensor, proposal: Proposal, logit
     """
     k = proposal.tokens.shape[1]
     feed = torch.cat([ids[:, target_cache.get_seq_length() :], proposal.tokens], dim=1)
-    with _Timer(stats, "target", ids.device):
+    with _Timer(stats, "target", model.device):
         logits, _ = model_forward(model, feed, target_cache, k + 1)
     stats.target_forwards += 1
     logits = logits.to(ids.device)
@@ -432,7 +434,8 @@ def draft_setting(draft_model) -> str:
     return "none"
 
 
-def _check_inputs(model, draft_model, head, policy, input_ids, generation_config, model_kwargs):
+def _check_inputs(model, draft_model, head, input_ids, generation_config, model_kwargs):
+    """Everything about the call that can be checked before a forward or a cost measurement runs."""
     if draft_model is None:
         raise ValueError("PACER decoding needs a draft model: pass `assistant_model=draft`.")
     if model.config.is_encoder_decoder or draft_model.config.is_encoder_decoder:
@@ -441,6 +444,8 @@ def _check_inputs(model, draft_model, head, policy, input_ids, generation_config
         raise ValueError("PACER decoding does not support beam search or num_return_sequences > 1.")
     if input_ids.shape[0] != 1:
         raise ValueError(f"PACER decoding supports batch size 1 only, got a batch of {input_ids.shape[0]}.")
+    if input_ids.shape[1] == 0:
+        raise ValueError("PACER decoding needs a prompt of at least one token; input_ids is empty.")
     if generation_config.output_attentions or generation_config.output_hidden_states:
         raise ValueError("PACER decoding does not return attentions or hidden states.")
     target_vocab, draft_vocab = _vocab_size(model), _vocab_size(draft_model)
@@ -449,8 +454,6 @@ def _check_inputs(model, draft_model, head, policy, input_ids, generation_config
             f"The draft's vocabulary ({draft_vocab} tokens) differs from the target's ({target_vocab}): "
             "PACER needs a draft that shares the target's tokenizer."
         )
-    if policy.needs_head and head is None:
-        raise ValueError(f"The {policy.name!r} stopping policy needs a head: pass `pacer_head=...`.")
     # checked even when the rule does not read the head (e.g. its default rule reads the draft alone): a head
     # trained for another draft is a mistake worth naming
     if head is not None and head.config.draft_hidden_size != draft_model.config.get_text_config().hidden_size:
@@ -466,11 +469,6 @@ def _check_inputs(model, draft_model, head, policy, input_ids, generation_config
             f"its hidden states and probabilities differ. Load the draft as the head expects "
             f"({_DRAFT_FLAGS[trained_on]}), or use a head trained for this draft."
         )
-    if policy.needs_head and policy.max_draft_length > head.config.max_draft_length:
-        raise ValueError(
-            f"The policy's max_draft_length ({policy.max_draft_length}) exceeds the head's "
-            f"max_draft_length ({head.config.max_draft_length})."
-        )
     unknown = {k for k, v in model_kwargs.items() if v is not None} - _ALLOWED_MODEL_KWARGS
     if unknown:
         raise ValueError(f"PACER decoding does not support these generate arguments: {sorted(unknown)}.")
@@ -480,6 +478,17 @@ def _check_inputs(model, draft_model, head, policy, input_ids, generation_config
     _check_cache_implementation(generation_config.cache_implementation, "in the generation config")
     _check_cache(model, _given_cache(model_kwargs))
     _check_cache(draft_model, None)
+
+
+def _check_policy(policy, head) -> None:
+    """What the chosen policy asks of the head."""
+    if policy.needs_head and head is None:
+        raise ValueError(f"The {policy.name!r} stopping policy needs a head: pass `pacer_head=...`.")
+    if policy.needs_head and policy.max_draft_length > head.config.max_draft_length:
+        raise ValueError(
+            f"The policy's max_draft_length ({policy.max_draft_length}) exceeds the head's "
+            f"max_draft_length ({head.config.max_draft_length})."
+        )
 
 
 def _host_costs(model, draft_model, head):
@@ -554,6 +563,8 @@ def pacer_decoding(
     """
     head_config = getattr(pacer_head, "config", None)
     do_sample = generation_config.do_sample
+    # every check before the first forward, the cost measurement's included
+    _check_inputs(model, draft_model, pacer_head, input_ids, generation_config, model_kwargs)
     # the head's default rule follows the mode: its config may name another rule for sampled decoding
     measured_here = (pacer_costs is None and stopping_policy is None and head_config is not None
                      and head_rule(head_config, do_sample)[0] == "throughput")
@@ -562,7 +573,7 @@ def pacer_decoding(
     policy = make_policy(stopping_policy, head_config, pacer_costs, do_sample)
     if policy is stopping_policy:
         policy = _own_copy(policy)
-    _check_inputs(model, draft_model, pacer_head, policy, input_ids, generation_config, model_kwargs)
+    _check_policy(policy, pacer_head)
     policy.reset()
 
     stats = PacerStats(policy=repr(policy))

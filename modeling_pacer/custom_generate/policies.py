@@ -284,14 +284,16 @@ class OnlineCalibration:
         self.observed = 0
 
     def probability(self, x: torch.Tensor) -> torch.Tensor:
-        """`(k, num_features)` estimate logits -> `(k,)` calibrated conditional acceptance probabilities."""
-        return torch.sigmoid(self.w[1:] @ x.double().T + self.w[0])
+        """`(k, num_features)` estimate logits (on any device) -> `(k,)` calibrated conditional acceptance
+        probabilities, on the CPU, where the fit lives (a few numbers: the rule reads them as floats anyway)."""
+        return torch.sigmoid(self.w[1:] @ x.detach().to("cpu", torch.float64).T + self.w[0])
 
     def observe(self, x: torch.Tensor, num_accepted: int) -> None:
         """One verified draft: `x` `(m, num_features)` the logits of its first m tokens' estimates, of which the
         first `num_accepted` were accepted. Token j's conditional outcome is known for j <= num_accepted."""
+        x = x.detach().to("cpu", torch.float64)
         for j in range(min(num_accepted + 1, x.shape[0])):
-            features = torch.cat([torch.ones(1, dtype=torch.float64), x[j].double()])
+            features = torch.cat([torch.ones(1, dtype=torch.float64), x[j]])
             q = float(torch.sigmoid(self.w @ features))
             self.H += q * (1.0 - q) * torch.outer(features, features)
             self.w -= torch.linalg.solve(self.H, (q - float(j < num_accepted)) * features)

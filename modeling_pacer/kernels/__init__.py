@@ -97,6 +97,21 @@ def unavailable_reason() -> str:
     return _load()[1]
 
 
+CPU_ONLY = (
+    "pacer's quantized layers and fused draft steps run on the CPU only (their weights are packed for CPU kernels). "
+    "For a GPU, load the model without pacer's CPU quantization (load_pair(..., quantize_draft=False), no "
+    "quantize_target), or with bitsandbytes, and move it there before generating"
+)
+
+
+def require_cpu(*tensors: torch.Tensor | None) -> None:
+    """Refuse tensors that are not in host memory, before any raw pointer to them reaches the kernels (which would
+    read a GPU address as host memory): a model quantized or fused by pacer, then moved with `.to("cuda")`."""
+    for t in tensors:
+        if t is not None and t.device.type != "cpu":
+            raise RuntimeError(f"{CPU_ONLY}: this call was handed a tensor on {t.device}.")
+
+
 def _library() -> ctypes.CDLL:
     library, why = _load()
     if library is None:
@@ -114,6 +129,7 @@ class QuantizedRows:
             raise ValueError(f"QuantizedRows: block must be 32 or 256, got {block}")
         if x.dim() != 2 or x.shape[1] % block:
             raise ValueError(f"QuantizedRows: needs (rows, k) with k divisible by {block}, got {tuple(x.shape)}")
+        require_cpu(x)
         x = x.to(torch.bfloat16).contiguous()
         self.rows, self.k = x.shape
         self.block = block
@@ -139,6 +155,7 @@ def q4k_matmul(x: QuantizedRows, packed, sc, mn, dd, n: int, bias: torch.Tensor 
     computed in float32 and written as `dtype` (float32, or bfloat16 rounded to nearest even)."""
     if x.block != 256:
         raise ValueError("q4k_matmul reads activations quantized in blocks of 256")
+    require_cpu(packed, sc, mn, dd, bias)
     out, bias_ptr, bf16 = _output(x.rows, n, bias, dtype)
     _library().pacer_q4k_matmul(packed.data_ptr(), sc.data_ptr(), mn.data_ptr(), dd.data_ptr(), n, x.k,
                                 x.q.data_ptr(), x.scale.data_ptr(), x.group_sums.data_ptr(), x.rows, bias_ptr, bf16,
@@ -152,6 +169,7 @@ def q8_matmul(x: QuantizedRows, packed, scale, n: int, bias: torch.Tensor | None
     [`q4k_matmul`] writes them."""
     if x.block != 32:
         raise ValueError("q8_matmul reads activations quantized in blocks of 32")
+    require_cpu(packed, scale, bias)
     out, bias_ptr, bf16 = _output(x.rows, n, bias, dtype)
     _library().pacer_q8_matmul(packed.data_ptr(), scale.data_ptr(), n, x.k, x.q.data_ptr(), x.scale.data_ptr(),
                                x.group_sums.data_ptr(), x.rows, bias_ptr, bf16, out.data_ptr())
@@ -165,6 +183,7 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tenso
     tile is unpacked once for up to 8 rows; each row's result depends on that row alone."""
     if x.dim() != 2 or x.shape[1] % 32:
         raise ValueError(f"int4_matmul: needs (rows, k) with k divisible by 32, got {tuple(x.shape)}")
+    require_cpu(packed, scales_zeros, bias)
     rows = QuantizedRows(x, block=32)
     out, bias_ptr, bf16 = _output(rows.rows, n, bias, dtype)
     _library().pacer_i4_matmul(packed.data_ptr(), scales_zeros.data_ptr(), n, rows.k, rows.q.data_ptr(),
@@ -180,6 +199,8 @@ class _I4Weight(ctypes.Structure):  # vnni_matmul.cpp's I4Weight
 def projections(layers) -> ctypes.Array:
     """Int4Linear(kernel="pacer") layers as [`draft_qkv`] / [`draft_rest`] read them: their buffers' addresses now
     (build again after a buffer is replaced)."""
+    for m in layers:
+        require_cpu(m.packed_weight, m.scales_and_zeros, m.bias_float)
     return (_I4Weight * len(layers))(*(
         _I4Weight(m.packed_weight.data_ptr(), m.scales_and_zeros.data_ptr(),
                   0 if m.bias_float is None else m.bias_float.data_ptr(), m.out_features) for m in layers))
@@ -191,6 +212,7 @@ def draft_qkv(hidden: torch.Tensor, norm: torch.Tensor, eps: float, weights: cty
     `weights` ([`projections`] of Int4Linear(kernel="pacer") layers) -> rotary embeddings (`cos`, `sin`:
     (m, `head_dim`), bf16). Returns q (1, heads, m, d), k and v (1, kv_heads, m, d), bf16, as transformers'
     attention hands them to its cache; each row as a one-row call gives it."""
+    require_cpu(hidden, norm, cos, sin)
     rows, size = hidden.shape
     q, k, v = (torch.empty(1, w.n // head_dim, rows, head_dim, dtype=torch.bfloat16) for w in weights)
     _library().pacer_draft_qkv(hidden.data_ptr(), rows, size, norm.data_ptr(), eps, weights, cos.data_ptr(),
@@ -204,6 +226,7 @@ def draft_rest(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scalin
     (1, kv_heads, length, d, the new tokens last; row r sees keys 0..length - m + r), then o_proj, the residual onto
     `hidden` (m, size), RMSNorm (`norm`, `eps`), the SiLU-gated MLP and its residual. `weights`: [`projections`] of the
     o, gate, up, down layers (Int4Linear(kernel="pacer")). bf16 in and out, (m, size)."""
+    require_cpu(q, keys, values, hidden, norm)
     out = torch.empty_like(hidden)
     _, heads, rows, dim = q.shape
     _library().pacer_draft_rest(q.data_ptr(), keys.data_ptr(), values.data_ptr(), rows, heads, keys.shape[1],
@@ -217,6 +240,7 @@ def exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     """pacer_exact attention in one call: `query` (B, H, M, D), `key`/`value` (B, KV, L, D), bf16; row (b, i)
     attends to keys `lo[b, i]..hi[b, i] - 1` ((B, M) int64). Returns (B, M, H, D) float32, each row computed
     alone by the same instructions whatever M, L or the thread count."""
+    require_cpu(query, key, value, lo, hi)
     batch, heads, rows, dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
     if dim % 16 or dim > 256 or heads % kv_heads or query.dtype != torch.bfloat16:

@@ -221,7 +221,13 @@ def load_pair(
         WeightsNotInstalledError: a registered pair's weights are missing; the message names the command.
     """
     spec = resolve_pair(name_or_target, draft)
+    on_cpu = device_map in (None, "cpu") or not torch.accelerator.is_available()  # where the models will sit
+    if quantize_draft is None and not on_cpu:
+        quantize_draft = False  # the registered pair's draft setting is a CPU kernel's: a GPU draft runs unquantized
     quantize_draft = _check_draft_quantization(spec.quantize_draft if quantize_draft is None else quantize_draft)
+    if quantize_draft and not on_cpu:
+        raise ValueError(f"quantize_draft={quantize_draft!r} runs on the CPU only (pacer's and torch's CPU kernels); "
+                         f"with device_map={device_map!r} pass quantize_draft=False")
     if quantize_target is not None:
         _check_target_quantization(quantize_target, spec.target, dtype, load_in_8bit_target, device_map)
         dtype = torch.bfloat16
