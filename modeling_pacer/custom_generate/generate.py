@@ -61,6 +61,9 @@ class PacerStats:
     """Counts and timings of one `generate` call. Times are wall-clock seconds."""
 
     policy: str = ""
+    # how the target's verification is made bitwise that of single steps (`make_exact`: "rows-alone" on a CPU,
+    # the way measured on a GPU), None where it was not: greedy output may then differ at near-ties
+    target_exact: str | None = None
     steps: list[DecodeStep] = field(default_factory=list)
     draft_forwards: int = 0
     head_forwards: int = 0
@@ -576,7 +579,7 @@ def pacer_decoding(
     _check_policy(policy, pacer_head)
     policy.reset()
 
-    stats = PacerStats(policy=repr(policy))
+    stats = PacerStats(policy=repr(policy), target_exact=getattr(model, "_pacer_exact", None))
     start = time.perf_counter()
     eos = generation_config._eos_token_tensor
     eos_token_ids = set(eos.flatten().tolist()) if eos is not None else set()
