@@ -30,7 +30,7 @@ from transformers import DynamicCache, GenerationMixin, StoppingCriteriaList, St
 from transformers.cache_utils import BaseQuantizedLayer, DynamicLayer, LinearAttentionCacheLayerMixin
 from transformers.generation.utils import ALL_CACHE_NAMES, GenerateDecoderOnlyOutput, _speculative_sampling
 
-from .policies import DraftView, StoppingPolicy, head_rule, make_policy
+from .policies import DraftView, ExpectedThroughput, StoppingPolicy, head_rule, make_policy
 
 
 # --------------------------------------------------------------------------------------------------
@@ -494,18 +494,32 @@ def _check_policy(policy, head) -> None:
         )
 
 
-def _host_costs(model, draft_model, head):
-    """This machine's cost model for a head whose default rule is cost-aware: measured once per host and
-    models, then read from pacer's cache (`modeling_pacer.host_costs`), when the pacer package is installed;
-    None otherwise (`make_policy` then says what to pass)."""
+def _cost_inputs(stopping_policy, head, do_sample) -> tuple | None:
+    """`(head, max_tokens)` of the cost curve this call's rule needs measured for it, or None: the head's default
+    rule when it is cost-aware (the head's cost in the curve), or `stopping_policy="throughput"` named without costs
+    (the rule on the draft's probability, no head call in it)."""
+    if stopping_policy is None and head is not None and head_rule(head.config, do_sample)[0] == "throughput":
+        return head, head.config.max_draft_length + 1
+    if isinstance(stopping_policy, str) and stopping_policy == ExpectedThroughput.name:
+        return None, _THROUGHPUT_MAX_DRAFT + 1
+    return None
+
+
+_THROUGHPUT_MAX_DRAFT = inspect.signature(ExpectedThroughput).parameters["max_draft_length"].default
+
+
+def _host_costs(model, draft_model, head, max_tokens: int):
+    """This machine's cost model for a cost-aware rule: measured once per host and models, then read from pacer's
+    cache (`modeling_pacer.host_costs`), when the pacer package is installed; None otherwise (`make_policy` then
+    says what to pass)."""
     try:
         from modeling_pacer.costs import host_costs
     except ImportError:
         return None
-    return host_costs(model, draft_model, head, max_tokens=head.config.max_draft_length + 1)
+    return host_costs(model, draft_model, head, max_tokens=max_tokens)
 
 
-def _check_host_costs(model, draft_model, head, costs, stats) -> None:
+def _check_host_costs(model, draft_model, head, max_tokens, costs, stats) -> None:
     """After a call that decided with the cached curve: if its verifications took more than 2x (or less than
     half) what the curve predicts, over enough steps to say so, the curve is dropped (once per process and
     models), so the next call measures it again instead of deciding a week of runs with a busy minute's curve.
@@ -521,7 +535,7 @@ def _check_host_costs(model, draft_model, head, costs, stats) -> None:
     if ratio is None or key in _FORGOTTEN:
         return
     _FORGOTTEN.add(key)
-    if forget_costs(model, draft_model, head, max_tokens=head.config.max_draft_length + 1):
+    if forget_costs(model, draft_model, head, max_tokens=max_tokens):
         warnings.warn(f"this call's target forwards took {ratio:.2f}x what the cached cost curve predicts: "
                       "it will be measured again on the next call", stacklevel=4)
 
@@ -569,10 +583,9 @@ def pacer_decoding(
     # every check before the first forward, the cost measurement's included
     _check_inputs(model, draft_model, pacer_head, input_ids, generation_config, model_kwargs)
     # the head's default rule follows the mode: its config may name another rule for sampled decoding
-    measured_here = (pacer_costs is None and stopping_policy is None and head_config is not None
-                     and head_rule(head_config, do_sample)[0] == "throughput")
+    measured_here = _cost_inputs(stopping_policy, pacer_head, do_sample) if pacer_costs is None else None
     if measured_here:
-        pacer_costs = _host_costs(model, draft_model, pacer_head)
+        pacer_costs = _host_costs(model, draft_model, *measured_here)
     policy = make_policy(stopping_policy, head_config, pacer_costs, do_sample)
     if policy is stopping_policy:
         policy = _own_copy(policy)
@@ -642,7 +655,7 @@ def pacer_decoding(
         pacer_streamer.end()
     stats.total_time = time.perf_counter() - start
     if measured_here and pacer_costs is not None:
-        _check_host_costs(model, draft_model, pacer_head, pacer_costs, stats)
+        _check_host_costs(model, draft_model, *measured_here, pacer_costs, stats)
 
     if not generation_config.return_dict_in_generate:
         return ids

@@ -330,12 +330,13 @@ class ExpectedThroughput(StoppingPolicy):
 
     name = "throughput"
 
-    def __init__(self, costs=None, estimate: str = "draft", max_draft_length: int = 16, block_size: int = 1,
+    def __init__(self, costs=None, estimate: str = "draft", max_draft_length: int = 12, block_size: int = 1,
                  calibration: float | None = None, draft_nothing: bool = False, probe_every: int = 8):
         super().__init__(max_draft_length=max_draft_length)
         if costs is None or not hasattr(costs, "step"):
             raise ValueError("ExpectedThroughput needs `costs`: this machine's cost model, e.g. "
-                             "modeling_pacer.costs.host_costs(target, draft, head).")
+                             "modeling_pacer.costs.host_costs(target, draft, head) (generate measures and caches it "
+                             "for stopping_policy='throughput' when pacer is installed).")
         if estimate not in ("draft", "head", "both"):
             raise ValueError(f"ExpectedThroughput estimate must be 'draft', 'head' or 'both', got {estimate!r}.")
         if estimate == "both" and calibration is None:
@@ -480,6 +481,8 @@ def make_policy(policy: "str | StoppingPolicy | None", head_config=None, costs=N
                 draft_nothing=getattr(head_config, "draft_nothing", False),
             )
         return Pacer.from_config(head_config)
+    if policy == ExpectedThroughput.name:
+        return ExpectedThroughput(costs)  # the cost-aware rule on the draft's probability, the default head's rule
     if isinstance(policy, str) and policy in POLICIES:
         return POLICIES[policy]()
     raise ValueError(
