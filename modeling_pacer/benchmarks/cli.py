@@ -31,7 +31,7 @@ from modeling_pacer.resources import ensure_writable_folder, portable_path
 # that reproduced that benchmark's ranking (at 32 tokens the prompt's prefill, the same for every method, hides it)
 QUICK_METHODS = ["target", "hf-assisted", "fixed-4", "svip", "specdec++", "pacer"]
 QUICK_NEW_TOKENS = 96
-COMMANDS = ("run", "replay", "merge", "costs", "agreement", "draft-agreement")
+COMMANDS = ("run", "replay", "merge", "costs", "agreement", "draft-agreement", "device")
 
 
 def _positive(text: str) -> int:
@@ -126,6 +126,20 @@ def build_parser() -> argparse.ArgumentParser:
                         help="prompts the (exact) target generates together")
     drafts.add_argument("--threads", type=_positive, help="torch CPU threads (default: torch's choice)")
     _add_output(drafts, "draft-agreement-out")
+
+    from .device import QWEN25_SHAPES, SETTINGS
+
+    device = sub.add_parser("device", help="on this device (a GPU), random-weight models of the Qwen2.5 shapes: whether "
+                            "each way to exact verification is exact there, and the cost curve of each")
+    device.add_argument("--shapes", nargs="+", choices=list(QWEN25_SHAPES), default=["0.5b", "1.5b", "7b"])
+    device.add_argument("--settings", nargs="+", choices=SETTINGS, default=list(SETTINGS))
+    device.add_argument("--device", default="cuda", help="torch device (default cuda)")
+    device.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default="bfloat16")
+    device.add_argument("--rows", type=_positive, default=16, help="verification calls of 1..rows tokens")
+    device.add_argument("--prefixes", type=_positive, nargs="+", default=[37, 256],
+                        help="prefix lengths the rows are compared after (the curve is timed after the longest)")
+    device.add_argument("--repeats", type=_positive, default=5)
+    _add_output(device, "device-out")
     return p
 
 
@@ -145,6 +159,15 @@ def validate(args) -> None:
 
     from .methods import all_methods, select_methods
 
+    if args.command == "device":
+        import torch
+
+        try:
+            device = torch.device(args.device)
+        except RuntimeError:
+            raise ValueError(f"--device {args.device}: not a torch device") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"--device {args.device}: no CUDA device here (pass --device cpu --shapes tiny to try it)")
     head = getattr(args, "head", None)  # run, replay, costs
     if head is not None and not Path(head).exists() and not re.fullmatch(r"[\w.-]+/[\w.-]+", head):
         raise ValueError(f"--head {head}: no such folder, and not a Hub repo id (org/name).")
@@ -554,10 +577,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def _run_device(args) -> dict:
+    from .device import run_device
+
+    return run_device(args)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     result = {"run": run, "replay": run_replay, "merge": run_merge, "costs": run_costs,
-              "agreement": run_agreement, "draft-agreement": run_draft_agreement}[args.command](args)
+              "agreement": run_agreement, "draft-agreement": run_draft_agreement, "device": _run_device}[args.command](args)
     lost = [r for r in result.get("summary", []) if r.get("dataset") == "all" and r.get("mismatches")]
     if lost:  # the report is written, but a method that changed the target's output is a failure
         print(f"pacer-bench: NOT LOSSLESS: {[r['method'] for r in lost]} changed the target's output", file=sys.stderr)

@@ -1,0 +1,145 @@
+"""pacer on a CUDA device: every method token for token the exact target's own greedy output in bf16 and float32, the
+sampled distribution the target's, the exact probe at the Qwen2.5 shapes, the cost model measured there, streaming.
+Skipped where CUDA is absent (CI); run on a lent GPU by tests/gpu/device-check.sh. `PACER_GPU_TESTS_DEVICE=cpu`
+runs the same tests on the CPU (the tests' own logic, not the GPU's numerics)."""
+
+import os
+
+import pytest
+import torch
+
+from modeling_pacer import CostModel, ExpectedThroughput, make_exact
+from modeling_pacer.costs import describe_model, host_costs
+
+from conftest import make_head, make_pair
+
+CUDA = torch.device(os.environ.get("PACER_GPU_TESTS_DEVICE", "cuda"))
+pytestmark = pytest.mark.skipif(CUDA.type == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA device")
+VOCAB = 512  # more near-ties than the CPU tests' 97
+PROMPT_LENGTHS = (1, 19, 57)
+NEW_TOKENS = (1, 9, 48)
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, VOCAB, (1, n), generator=g).to(CUDA) for n in PROMPT_LENGTHS]
+
+
+def _pair(dtype):
+    """A tiny Qwen2 pair (hidden 256, 4 layers) on CUDA: the target made exact there, a noisy copy as the draft."""
+    target, draft = make_pair("qwen2", "qwen2", "noisy", hidden=256, layers=4, vocab=VOCAB)
+    target = make_exact(target.to(CUDA, dtype))
+    return target, draft.to(CUDA, dtype)
+
+
+def _methods(draft):
+    from test_greedy import POLICIES
+
+    head = make_head(draft).to(CUDA)
+    # the default head's rule: cost-aware on the draft's probability, its costs measured here (on CUDA)
+    default_rule = make_head(draft, stopping_rule="throughput", throughput_estimate="draft", max_draft_length=12,
+                             use_draft_features=True, draft_prior=True).to(CUDA)
+    methods = {name: dict(pacer_head=head, stopping_policy=make()) for name, make in POLICIES.items()}
+    methods.update({
+        "default head rule (costs measured on CUDA)": dict(pacer_head=default_rule),
+        "throughput by name (costs measured on CUDA)": dict(stopping_policy="throughput"),
+        "pacer block rule": dict(pacer_head=head, stopping_policy="pacer"),
+        "transformers' assisted generation": dict(),
+    })
+    return methods
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_every_method_is_the_exact_target_on_cuda(dtype):
+    target, draft = _pair(dtype)
+    assert target._pacer_exact is not None, "no exact verification found on this device"
+    failures, drafted = [], 0
+    alone = {(i, new): target.generate(ids, max_new_tokens=new, do_sample=False)
+             for i, ids in enumerate(_prompts()) for new in NEW_TOKENS}
+    for name, kwargs in _methods(draft).items():
+        for i, ids in enumerate(_prompts()):
+            for new in NEW_TOKENS:
+                want = alone[i, new]
+                out = target.generate(ids, assistant_model=draft, max_new_tokens=new, do_sample=False,
+                                      return_dict_in_generate=True, **kwargs)
+                if not torch.equal(out.sequences, want):
+                    failures.append((name, ids.shape[1], new))
+                stats = getattr(out, "pacer_stats", None)
+                if stats is not None:
+                    assert stats.target_exact == target._pacer_exact
+                    drafted += sum(s.drafted for s in stats.steps)
+    assert not failures, f"{len(failures)} runs differ from the target alone: {failures[:10]}"
+    assert drafted > 0
+
+
+def test_sampled_distribution_is_the_targets_on_cuda():
+    import test_sampling as s
+
+    target, draft = make_pair("llama", "llama", "random", vocab=s.V)
+    target_probs, draft_probs = s._exact_distribution(target), s._exact_distribution(draft)
+    target, draft = target.to(CUDA), draft.to(CUDA)
+    head = make_head(draft, max_draft_length=8).to(CUDA)
+    for make in s.POLICIES.values():
+        counts, drafted, accepted = {}, 0, 0
+        for seed in range(s.RUNS):
+            torch.manual_seed(seed)
+            out = target.generate(s.PROMPT.to(CUDA), assistant_model=draft, pacer_head=head, stopping_policy=make(),
+                                  return_dict_in_generate=True, **s.SETTINGS)
+            outcome = tuple(out.sequences[0, s.PROMPT.shape[1]:].tolist())
+            counts[outcome] = counts.get(outcome, 0) + 1
+            drafted += sum(step.drafted for step in out.pacer_stats.steps)
+            accepted += sum(step.accepted for step in out.pacer_stats.steps)
+        assert 0 < accepted < drafted
+        assert s._chi_square_p_value(counts, target_probs, s.RUNS) > 1e-3
+        assert s._chi_square_p_value(counts, draft_probs, s.RUNS) < 1e-6
+
+
+@pytest.mark.parametrize("shape", ["0.5b", "1.5b"])
+def test_exact_verification_at_the_qwen_shapes(shape):
+    """The done-when: rows of 1..16-token calls (and a prefill) bitwise those of single steps, on the exact target,
+    checked after prefixes other than the ones make_exact chose by."""
+    from modeling_pacer.benchmarks.device import random_model
+    from modeling_pacer.exact_attention import probe_exact
+
+    model = make_exact(random_model(shape, torch.bfloat16, CUDA), verify_rows=16)
+    assert model._pacer_exact is not None
+    assert probe_exact(model, 16, prefixes=(5, 130, 611)) == 0.0
+
+
+def test_cost_model_on_cuda():
+    target, draft = _pair(torch.bfloat16)
+    head = make_head(draft, use_draft_features=True).to(CUDA, torch.bfloat16)
+    costs = host_costs(target, draft, head, max_tokens=9, refresh=True)
+    assert all(t > 0 for t in costs.target_forward.values()) and costs.draft_forward > 0 and costs.head_call > 0
+    if CUDA.type == "cuda":
+        assert "NVIDIA" in describe_model(target)["device_name"]
+
+
+def test_cpu_kernels_refuse_a_layer_moved_to_cuda():
+    from modeling_pacer.quantization import Int4Linear
+
+    if CUDA.type == "cpu":
+        pytest.skip("the layer is on the CPU")
+    layer = Int4Linear.from_linear(torch.nn.Linear(64, 32).to(torch.bfloat16)).to(CUDA)
+    with pytest.raises(RuntimeError, match="run on the CPU only"):
+        layer(torch.zeros(1, 64, dtype=torch.bfloat16, device=CUDA))
+
+
+def test_streaming_on_cuda():
+    class Collect:
+        def __init__(self):
+            self.tokens = []
+
+        def put(self, value):
+            self.tokens.extend(value.flatten().tolist())
+
+        def end(self):
+            pass
+
+    target, draft = _pair(torch.bfloat16)
+    ids = _prompts()[1]
+    streamer = Collect()
+    costs = CostModel({n: 1.0 for n in range(1, 14)}, 0.1)
+    out = target.generate(ids, assistant_model=draft, stopping_policy=ExpectedThroughput(costs), streamer=streamer,
+                          max_new_tokens=30)
+    assert streamer.tokens == out[0].tolist()
