@@ -69,3 +69,25 @@ def test_non_editable_install_imports_every_module_and_finds_its_data(tmp_path):
                    check=True, cwd=tmp_path)
     out = subprocess.run([python, "-c", CHECK, str(ROOT)], check=True, cwd=tmp_path, capture_output=True, text=True)
     assert "modules" in out.stdout
+
+
+def test_torch_is_a_range_and_an_installed_build_of_it_is_kept(tmp_path):
+    """pyproject asks for a torch range (no `==` pin: the CPU wheel is the README's and CI's command), which the
+    installed build satisfies, and pip's plan for `pip install .` in this environment installs pacer alone: the
+    torch already there (here the CPU build; for a GPU user a CUDA one of the range) stays."""
+    import json
+    import tomllib
+
+    import torch
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    requirements = [Requirement(r) for r in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]]
+    spec = next(r.specifier for r in requirements if r.name == "torch")
+    assert not any(s.operator == "==" for s in spec), spec
+    assert Version(torch.__version__) in spec and Version("2.13.0+cu130") in spec
+    report = tmp_path / "report.json"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-build-isolation", "--no-index", "--quiet",
+                    "--disable-pip-version-check", "--report", str(report), str(ROOT)], check=True, cwd=tmp_path)
+    planned = [item["metadata"]["name"] for item in json.loads(report.read_text())["install"]]
+    assert planned == ["pacer-decoding"], planned
