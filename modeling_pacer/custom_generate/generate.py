@@ -238,8 +238,10 @@ def propose(
     eos_token_ids: set[int],
     stats: PacerStats,
     keep_hidden: bool = False,
+    vocab: tuple[int, int] | None = None,
 ) -> Proposal:
-    """Draft up to `budget` tokens after `ids` `(1, L)`, asking `policy` after each one.
+    """Draft up to `budget` tokens after `ids` `(1, L)`, asking `policy` after each one. `vocab`: the draft's and the
+    target's vocabulary sizes where they differ (the draft's a prefix of the target's padded one).
 
     The draft cache may lag behind `ids` (after a fully accepted step it misses the last draft
     token); the first forward feeds everything it has not seen yet.
@@ -274,10 +276,17 @@ def propose(
     seq = ids
     feed = ids[:, draft_cache.get_seq_length() :]
     while True:
+        if vocab is not None and vocab[0] < vocab[1]:
+            # a target's padding id (never a tokenizer's token) is fed to a draft whose table stops short as its last
+            # id: only the draft's context changes, never the output
+            feed = feed.clamp_max(vocab[0] - 1)
         with _Timer(stats, "draft", draft_model.device):
             logits, hidden = model_forward(draft_model, feed, draft_cache, 1, hidden=policy.needs_head or keep_hidden)
         stats.draft_forwards += 1
-        score = logits_processor(seq, logits[:, 0, :].to(device))
+        logits = logits[:, 0, :].to(device)
+        if vocab is not None and vocab[0] < vocab[1]:  # the target's padding ids: probability 0 in the draft's row
+            logits = torch.nn.functional.pad(logits, (0, vocab[1] - vocab[0]), value=float("-inf"))
+        score = logits_processor(seq, logits)
         token = _pick(score, do_sample)
         dist = score.softmax(-1)
         tokens.append(token)
@@ -409,6 +418,44 @@ def _check_cache(model, cache) -> None:
         )
 
 
+def _special_ids(model) -> dict:
+    """The special token ids a model's configs name (None where unset): two models of one tokenizer name the same."""
+    configs = (getattr(model, "generation_config", None), model.config.get_text_config())
+    ids = {}
+    for name in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        values = [getattr(c, name, None) for c in configs if c is not None]
+        ids[name] = next((v for v in values if v is not None), None)
+    return ids
+
+
+# the most a draft's table may stop short of the target's, as a share of the target's: padding to a round size
+# (Qwen2.5-7B pads 151665 tokens to 152064 rows, 0.5B to 151936: 128 rows apart, 0.08%)
+PADDING_SHARE = 1 / 32
+
+
+def _check_vocabularies(model, draft_model, input_ids) -> None:
+    """The draft must embed and score the ids of the target's tokenizer. Equal vocabularies pass; a draft whose
+    embedding table is shorter passes too where it is a prefix of the target's padded one: short by padding alone
+    (at most `PADDING_SHARE` of the target's rows), the models' special token ids the same where both name them,
+    and the prompt inside the draft's table. The draft then never proposes the target's padding ids (they score
+    -inf in its row)."""
+    target_vocab, draft_vocab = _vocab_size(model), _vocab_size(draft_model)
+    if target_vocab == draft_vocab:
+        return
+    theirs, ours = _special_ids(model), _special_ids(draft_model)
+    clash = [f"{name} {theirs[name]} vs {ours[name]}" for name in theirs
+             if theirs[name] is not None and ours[name] is not None and theirs[name] != ours[name]]
+    padding = draft_vocab < target_vocab and target_vocab - draft_vocab <= target_vocab * PADDING_SHARE
+    why = (f" (special tokens differ: {', '.join(clash)})" if clash else
+           "" if not padding or int(input_ids.max()) < draft_vocab else
+           f" (the prompt holds id {int(input_ids.max())}, beyond the draft's table)")
+    if not padding or why:
+        raise ValueError(
+            f"The draft's vocabulary ({draft_vocab} tokens) differs from the target's ({target_vocab}){why}: PACER "
+            "needs a draft that shares the target's tokenizer (its table may stop short of the target's by padding)."
+        )
+
+
 def _vocab_size(model) -> int:
     """Rows of the LM head (what the logits really have; quantized heads keep `out_features` too)."""
     head = model.get_output_embeddings()
@@ -451,12 +498,7 @@ def _check_inputs(model, draft_model, head, input_ids, generation_config, model_
         raise ValueError("PACER decoding needs a prompt of at least one token; input_ids is empty.")
     if generation_config.output_attentions or generation_config.output_hidden_states:
         raise ValueError("PACER decoding does not return attentions or hidden states.")
-    target_vocab, draft_vocab = _vocab_size(model), _vocab_size(draft_model)
-    if target_vocab != draft_vocab:
-        raise ValueError(
-            f"The draft's vocabulary ({draft_vocab} tokens) differs from the target's ({target_vocab}): "
-            "PACER needs a draft that shares the target's tokenizer."
-        )
+    _check_vocabularies(model, draft_model, input_ids)
     # checked even when the rule does not read the head (e.g. its default rule reads the draft alone): a head
     # trained for another draft is a mistake worth naming
     if head is not None and head.config.draft_hidden_size != draft_model.config.get_text_config().hidden_size:
@@ -608,6 +650,7 @@ def pacer_decoding(
         pacer_streamer.put(input_ids.cpu())
 
     ids = input_ids
+    vocab = (_vocab_size(draft_model), _vocab_size(model))
     finished = False
     prefill = True
     while not finished:
@@ -619,7 +662,8 @@ def pacer_decoding(
             # one verification yields one more token than was drafted, so never draft past max_length - 1
             budget = generation_config.max_length - ids.shape[1] - 1
             proposal = propose(draft_model, draft_cache, pacer_head, policy, ids, budget, logits_processor,
-                               do_sample, eos_token_ids, stats, keep_hidden=pacer_step_callback is not None)
+                               do_sample, eos_token_ids, stats, keep_hidden=pacer_step_callback is not None,
+                               vocab=vocab)
         raw_logits, target_scores = verify(model, target_cache, ids, proposal, logits_processor, stats)
         if prefill:
             stats.prefill_time = stats.target_time
