@@ -23,7 +23,7 @@ from .custom_generate.generate import crop_cache, model_forward
 from .draft_vocab import kept_tokens
 from .exact_linear import is_exact_linear
 from .fused_draft import FusedDraftStep, fused_layers
-from .pairs.registry import cache_root
+from .host import cache_root, cpuinfo_field
 from .resources import write_json
 
 
@@ -219,19 +219,6 @@ def time_split(model, input_ids: torch.Tensor, tokens: int = 1, repeats: int = 5
 # measured once per host, model and dtype
 # --------------------------------------------------------------------------------------------------
 COST_FORMAT = "pacer-costs/2"  # 2: timed in interleaved rounds (curves measured before are measured again)
-
-
-def cpuinfo_field(name: str) -> str | None:
-    """The first `name : value` line's value in /proc/cpuinfo (e.g. "model name", "flags"); None where there is none."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == name:
-                    return value.strip()
-    except OSError:
-        pass
-    return None
 
 
 def device_name(device) -> str | None:

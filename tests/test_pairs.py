@@ -44,21 +44,24 @@ CHAT_TEMPLATE = (
 # helpers: fake part packages, tiny models, a tiny GGUF
 # --------------------------------------------------------------------------------------------------
 def make_fake_parts(root: Path, chunks: list[bytes], monkeypatch, sha256: str | None = None) -> GGUFParts:
-    """Write one importable package per chunk, shaped like the real part packages
-    (`<module>/__init__.py` with `get_part_path()`, `<module>/data/partNN.bin`), and put them on sys.path."""
+    """Write one installed distribution per chunk, shaped like the real part packages (`<module>/data/partNN.bin`
+    listed in the distribution's RECORD, `<module>/__init__.py`), and put them on sys.path. Importing a part's module
+    raises: pacer must find the data through the distribution's file list alone, running none of its code."""
     prefix = f"pacerfake_{uuid.uuid4().hex[:8]}_part"  # unique: sys.modules caches earlier tests' packages
+    dist = f"fake-{prefix[9:17]}-part"
     for i, chunk in enumerate(chunks, start=1):
         pkg = root / f"{prefix}{i}"
         (pkg / "data").mkdir(parents=True)
         (pkg / "data" / f"part{i:02d}.bin").write_bytes(chunk)
-        (pkg / "__init__.py").write_text(
-            "import os\n"
-            "def get_part_path():\n"
-            f"    return os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', 'part{i:02d}.bin')\n"
-        )
+        (pkg / "__init__.py").write_text("raise RuntimeError('a part package was imported')\n")
+        info = root / f"{dist.replace('-', '_')}{i}-1.0.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}{i}\nVersion: 1.0\n")
+        (info / "RECORD").write_text(f"{prefix}{i}/__init__.py,,\n{prefix}{i}/data/part{i:02d}.bin,,\n"
+                                     f"{info.name}/METADATA,,\n{info.name}/RECORD,,\n")
     monkeypatch.syspath_prepend(str(root))
     return GGUFParts(
-        filename="fake.gguf", package="fake-part{i}", module=prefix + "{i}", version="1.0", count=len(chunks),
+        filename="fake.gguf", package=dist + "{i}", module=prefix + "{i}", version="1.0", count=len(chunks),
         sha256=sha256 or hashlib.sha256(b"".join(chunks)).hexdigest(),
     )
 
@@ -233,7 +236,7 @@ def test_bad_hash_raises_and_leaves_nothing(tmp_path, monkeypatch):
     parts = make_fake_parts(tmp_path / "site", [b"abc", b"def"], monkeypatch, sha256="0" * 64)
     with pytest.raises(ChecksumError, match="expected 0000"):
         ensure_gguf(parts, tmp_path / "cache")
-    assert list((tmp_path / "cache" / "gguf").iterdir()) == []
+    assert [p.name for p in (tmp_path / "cache" / "gguf").iterdir()] == [".locks"]  # the lock files' folder alone
 
 
 def test_missing_parts_name_the_install_command(tmp_path, monkeypatch):

@@ -26,9 +26,12 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
+
+from ..host import build_once, cache_root, cpuinfo_field, private_folder, trusted
 
 SOURCE = Path(__file__).with_name("vnni_matmul.cpp")
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
@@ -36,9 +39,49 @@ ABI = 10  # pacer_kernel_abi() of the source this module calls
 
 
 def _cache_dir() -> Path:
-    from ..pairs.registry import cache_root
-
     return cache_root() / "kernels"
+
+
+def _build(compiler: str, target: Path) -> str:
+    """Compile the source into `target` once, under the entry's cross-process lock (a second process waits, then
+    finds it built). Returns "" or why it failed."""
+    with build_once(target, f"pacer's kernels for this CPU ({SOURCE.name})"):
+        if target.exists():
+            return ""
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            built = Path(tmp) / target.name
+            done = subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE)], capture_output=True, text=True)
+            if done.returncode:
+                return f"compiling {SOURCE.name} failed: {done.stderr.strip()[-2000:]}"
+            os.replace(built, target)
+    return ""
+
+
+def _open(compiler: str, name: str) -> tuple[ctypes.CDLL | None, str]:
+    """The library `name`, built if needed and loaded: from the cache where this user alone can have put it there,
+    else (a cache another user can write to, a read-only or noexec one) from a private folder, with a warning. Loading
+    a library runs its code: a file planted in a shared cache is never loaded."""
+    reasons = []
+    for folder, root in ((_cache_dir(), cache_root()), (None, None)):
+        try:
+            if folder is None:
+                folder = private_folder("kernels")
+                root = folder
+            target = folder / name
+            why = _build(compiler, target)
+            if why:
+                return None, why
+            if not trusted(target, root):
+                reasons.append(f"{target} is not trusted (owned by another user, or a folder others can write to)")
+                continue
+            library = ctypes.CDLL(str(target))
+        except OSError as error:  # a read-only cache, a noexec mount
+            reasons.append(f"{folder}: {error}")
+            continue
+        if reasons:
+            warnings.warn(f"pacer's kernels: {'; '.join(reasons)}; built in {folder} instead", stacklevel=4)
+        return library, ""
+    return None, "; ".join(reasons)
 
 
 @functools.lru_cache(maxsize=1)
@@ -53,22 +96,14 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError) as error:
         return None, f"{compiler} --version failed: {error}"
-    from ..costs import cpuinfo_field
-
     cpu_flags = cpuinfo_field("flags") or platform.processor()
     key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, " ".join(FLAGS), cpu_flags]).encode())
-    target = _cache_dir() / f"vnni_matmul-{key.hexdigest()[:20]}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            built = Path(tmp) / target.name
-            done = subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE)], capture_output=True, text=True)
-            if done.returncode:
-                return None, f"compiling {SOURCE.name} failed: {done.stderr.strip()[-2000:]}"
-            os.replace(built, target)
-    library = ctypes.CDLL(str(target))
+    name = f"vnni_matmul-{key.hexdigest()[:20]}.so"
+    library, why = _open(compiler, name)
+    if library is None:
+        return None, why
     if library.pacer_kernel_abi() != ABI:
-        return None, f"{target} is built from another version of {SOURCE.name}"
+        return None, f"{name} is built from another version of {SOURCE.name}"
     if not library.pacer_vnni_available():
         return None, "this CPU has no AVX512-VNNI (avx512_vnni, avx512bw): torch's kernels are used"
     p, i = ctypes.c_void_p, ctypes.c_int64

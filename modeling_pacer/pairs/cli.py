@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from ..host import disk_error
 from .gguf import converted_ok, ensure_converted, ensure_gguf, part_paths, sha256_file
 from .loading import load_pair, load_tokenizer, tokenizers_match
 from .registry import (
@@ -151,6 +152,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return {"install": _cmd_install, "check": _cmd_check, "info": _cmd_info}[args.command](spec, args)
     except (KeyError, WeightsNotInstalledError, ChecksumError, subprocess.CalledProcessError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # a full or read-only disk: one line, not a traceback
+        line = disk_error(e, cache_root(args.cache_dir))
+        if line is None:
+            raise
+        print(f"error: {line}", file=sys.stderr)
         return 1
 
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-import importlib
+import importlib.metadata as metadata
 import json
 import os
 import shutil
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from ..host import build_once, disk_error
 from .registry import (
     _CACHE_MARKER,
     DEFAULT_PAIR,
@@ -29,18 +31,27 @@ from .registry import (
 # parts -> one verified GGUF file
 # --------------------------------------------------------------------------------------------------
 def part_paths(parts: GGUFParts, *, pair_name: str = DEFAULT_PAIR) -> list[Path]:
-    """Paths of the installed slices, part 1 first.
+    """Paths of the installed slices, part 1 first, found in each part distribution's file list
+    (`importlib.metadata`): the slice under `<module>/data/`. No part package is imported (importing one would run
+    its code before its bytes are checked; the assembled file's sha256 is checked before any use).
 
     Raises WeightsNotInstalledError (naming the install command) when any part package is missing or its
     data file is absent.
     """
-    paths, missing = [], []
-    for module in parts.modules():
+    paths, missing, absent = [], [], []
+    for i, module in enumerate(parts.modules(), start=1):
+        name = parts.package.format(i=i)
         try:
-            paths.append(Path(importlib.import_module(module).get_part_path()))
-        except ModuleNotFoundError:
-            missing.append(module)
-    absent = [str(p) for p in paths if not p.is_file()]
+            dist = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            missing.append(name)
+            continue
+        data = [f for f in dist.files or [] if f.parts[:2] == (module, "data") and f.name.endswith(".bin")]
+        if len(data) != 1:
+            absent.append(f"{name}: {module}/data/*.bin ({len(data)} found)")
+            continue
+        paths.append(Path(dist.locate_file(data[0])))
+    absent += [str(p) for p in paths if not p.is_file()]
     if missing or absent:
         what = f"{len(missing)} of {parts.count} part packages are not installed (first: {missing[0]})" if missing \
             else f"part files are missing: {absent[:3]}"
@@ -115,12 +126,33 @@ def assemble(
 
 
 def ensure_gguf(parts: GGUFParts, pacer_cache=None, *, pair_name: str = DEFAULT_PAIR) -> Path:
-    """The verified, assembled GGUF of `parts` in the cache, assembling it from the installed parts if needed."""
+    """The verified, assembled GGUF of `parts` in the cache, assembling it from the installed parts if needed: once,
+    under the entry's cross-process lock (another process waits and then finds it there); the partial files of
+    processes killed mid-assembly are removed on the way."""
     dest = gguf_path(parts, pacer_cache)
     if _marker_ok(dest, parts.sha256):
         return dest
-    assemble(part_paths(parts, pair_name=pair_name), dest, parts.sha256)
+    paths = part_paths(parts, pair_name=pair_name)  # missing parts: named before any lock or write
+    with _disk_errors(dest), build_once(dest, f"the model file {dest.name}"):
+        if not _marker_ok(dest, parts.sha256):
+            assemble(paths, dest, parts.sha256)
     return dest
+
+
+class CacheWriteError(OSError):
+    """A cache entry could not be written: the disk is full or read-only (the message says which and what to do)."""
+
+
+@contextlib.contextmanager
+def _disk_errors(where: Path):
+    """A full or read-only disk while building `where`: one clear line (CacheWriteError) instead of a traceback."""
+    try:
+        yield
+    except OSError as error:
+        line = disk_error(error, where.parent)
+        if line is None or isinstance(error, CacheWriteError):
+            raise
+        raise CacheWriteError(error.errno, line) from error
 
 
 def source_gguf(source: ModelSource, pacer_cache=None, *, pair_name: str = DEFAULT_PAIR) -> Path | None:
@@ -191,10 +223,16 @@ def convert_gguf(gguf: str | os.PathLike, dest: str | os.PathLike, *, sha256: st
 
 
 def ensure_converted(parts: GGUFParts, pacer_cache=None, *, pair_name: str = DEFAULT_PAIR) -> Path:
-    """The converted model folder of `parts`, assembling and converting on first use."""
+    """The converted model folder of `parts`, assembling and converting on first use: once, under the entry's
+    cross-process lock, so that two processes on a fresh cache convert once and neither reads a folder being
+    written (the finished folder is renamed into place, its marker written last)."""
     dest = converted_path(parts, pacer_cache)
     if converted_ok(dest, parts.sha256):
         return dest
-    return convert_gguf(ensure_gguf(parts, pacer_cache, pair_name=pair_name), dest, sha256=parts.sha256)
+    gguf = ensure_gguf(parts, pacer_cache, pair_name=pair_name)
+    with _disk_errors(dest), build_once(dest, f"the converted model {dest.name}"):
+        if not converted_ok(dest, parts.sha256):
+            convert_gguf(gguf, dest, sha256=parts.sha256)
+    return dest
 
 

@@ -120,7 +120,7 @@ def quantize_dynamic_int8(model: torch.nn.Module) -> torch.nn.Module:
 def cpu_has_fast_bf16() -> bool:
     """True when this CPU computes bf16 matrix products natively (AVX512-BF16 or AMX), where a bf16
     model runs faster than float32; without them torch emulates bf16 and float32 is the better choice."""
-    from ..costs import cpuinfo_field
+    from ..host import cpuinfo_field
 
     flags = (cpuinfo_field("flags") or "").split()
     return "avx512_bf16" in flags or "amx_bf16" in flags

