@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import gradio as gr
 import pandas as pd
 import torch
-from transformers import GenerationMixin
+from transformers import GenerationMixin, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from modeling_pacer import FixedLength, PacerHead
@@ -33,6 +33,14 @@ EXAMPLES = {
             "experiences and must-see attractions.",
 }
 METHODS = ["PACER", "fixed γ", "target alone"]
+MODES = ("greedy", "sampling")
+# what one request may ask, enforced on the server: the sliders' ranges bind the page, not an API call
+LIMITS = {"max new tokens": (8, 512), "γ": (1, 8), "temperature": (0.1, 1.5)}
+MAX_PROMPT_CHARS = 4000
+MAX_PROMPT_TOKENS = 1024
+QUEUE_SIZE = 8  # requests waiting behind the one generating; more are turned away (memory stays bounded)
+# one generation at a time per process: on a CPU two share the cores and each would run at a fraction of its speed
+_GENERATING = threading.Lock()
 CSS = """
 .tok-accepted { background: #d3f5d3; border-radius: 3px; }
 .tok-rejected { color: #b03030; text-decoration: line-through; opacity: 0.55; }
@@ -159,13 +167,65 @@ def _run(side: Side, fn) -> None:
         side.done = True
 
 
-def start_comparison(models: DemoModels, input_ids, method: str, gamma: int, settings: dict) -> dict[str, Side]:
-    """Run `method`, then the target alone, in one background thread; returns the sides, filled as they stream.
+class _Cancelled(StoppingCriteria):
+    """Ends a generation at its next step once `event` is set (the request that asked for it is gone)."""
+
+    def __init__(self, event: threading.Event):
+        self.event = event
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
+
+
+@dataclass
+class Comparison:
+    """A running comparison: its sides, the thread that generates them, and the event that stops it."""
+
+    sides: dict[str, Side]
+    thread: threading.Thread
+    cancel: threading.Event
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """End the generation (at its next step) and wait for its thread."""
+        self.cancel.set()
+        self.thread.join(timeout)
+
+
+def check_request(prompt, max_new_tokens, mode, temperature, method, gamma) -> dict:
+    """The request's values, checked on the server (an API call can send anything): a ValueError naming the first
+    that is out of bounds."""
+    def number(name, value, integer):
+        low, high = LIMITS[name]
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{name} must be a number, got {value!r}") from None
+        if not low <= number <= high or (integer and number != int(number)):
+            raise ValueError(f"{name} must be {'an integer ' if integer else ''}between {low} and {high}, got {value!r}")
+        return int(number) if integer else number
+
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ValueError("Type a prompt first.")
+    if len(prompt) > MAX_PROMPT_CHARS:
+        raise ValueError(f"The prompt has {len(prompt)} characters; at most {MAX_PROMPT_CHARS}.")
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if mode not in MODES:
+        raise ValueError(f"decoding must be one of {list(MODES)}, got {mode!r}")
+    return dict(prompt=prompt, max_new_tokens=number("max new tokens", max_new_tokens, True), mode=mode,
+                temperature=number("temperature", temperature, False), method=method, gamma=number("γ", gamma, True))
+
+
+def start_comparison(models: DemoModels, input_ids, method: str, gamma: int, settings: dict) -> Comparison:
+    """Run `method`, then the target alone, in one background thread; returns the comparison, its sides filled as
+    they stream. `Comparison.stop()` ends the generation at its next step.
 
     One after the other, never at once: on a CPU two generations share the same cores and memory bandwidth, so
     side by side each would run at a fraction of its speed; in turn, each side's tokens/s is what it makes alone."""
     names = ["target"] if method == "target alone" else ["method", "target"]
     sides = {n: Side(n) for n in names}
+    cancel = threading.Event()
+    settings = dict(settings, stopping_criteria=StoppingCriteriaList([_Cancelled(cancel)]))
 
     def target_alone():
         GenerationMixin.generate(models.target, input_ids, streamer=_Streamer(sides["target"], []), **settings)
@@ -184,11 +244,16 @@ def start_comparison(models: DemoModels, input_ids, method: str, gamma: int, set
     runs = {"target": target_alone, "method": speculative}
 
     def both():
-        for name in names:
-            _run(sides[name], runs[name])
+        with _GENERATING:
+            for name in names:
+                if cancel.is_set():
+                    sides[name].done = True
+                    continue
+                _run(sides[name], runs[name])
 
-    threading.Thread(target=both, daemon=True).start()
-    return sides
+    thread = threading.Thread(target=both, daemon=True, name="pacer-demo-generation")
+    thread.start()
+    return Comparison(sides, thread, cancel)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -246,35 +311,43 @@ def verdict(sides: dict, do_sample: bool) -> str:
 # --------------------------------------------------------------------------------------------------
 def build_demo(holder: ModelHolder, refresh_seconds: float = 0.25) -> gr.Blocks:
     def compare(prompt, max_new_tokens, mode, temperature, method, gamma, progress=gr.Progress()):
+        try:  # every value checked here, before a model is touched: the page's sliders bind only the page
+            request = check_request(prompt, max_new_tokens, mode, temperature, method, gamma)
+        except ValueError as error:
+            raise gr.Error(str(error)) from None
         models = holder.get(progress)
         if method == "PACER" and models.head is None:
             raise gr.Error("No PACER head is loaded for this pair: choose fixed γ, or start the demo with --head.")
-        if not prompt or not prompt.strip():
-            raise gr.Error("Type a prompt first.")
         from modeling_pacer.prompts import apply_chat_template
 
-        input_ids = apply_chat_template(models.tokenizer, prompt)
+        input_ids = apply_chat_template(models.tokenizer, request["prompt"])
+        if input_ids.shape[1] > MAX_PROMPT_TOKENS:
+            raise gr.Error(f"The prompt is {input_ids.shape[1]} tokens long; at most {MAX_PROMPT_TOKENS}.")
         do_sample = mode == "sampling"
-        settings = dict(max_new_tokens=int(max_new_tokens), do_sample=do_sample)
+        settings = dict(max_new_tokens=request["max_new_tokens"], do_sample=do_sample)
         if do_sample:
-            settings.update(temperature=float(temperature), top_k=0, top_p=1.0)
-        sides = start_comparison(models, input_ids, method, int(gamma), settings)
-        while True:
-            finished = all(s.done for s in sides.values())
-            target_side, method_side = sides["target"], sides.get("method")
-            # the method's speedup once the target alone has finished (its rate before then is a partial one)
-            reference = len(target_side.tokens) / target_side.seconds if target_side.done and target_side.seconds else None
-            yield (
-                render_side(target_side, models.tokenizer),
-                side_stats(target_side, None),
-                render_side(method_side, models.tokenizer) if method_side else "",
-                side_stats(method_side, reference) if method_side else "",
-                steps_frame(method_side),
-                verdict(sides, do_sample),
-            )
-            if finished:
-                break
-            time.sleep(refresh_seconds)
+            settings.update(temperature=request["temperature"], top_k=0, top_p=1.0)
+        comparison = start_comparison(models, input_ids, method, request["gamma"], settings)
+        sides = comparison.sides
+        try:
+            while True:
+                finished = all(s.done for s in sides.values())
+                target_side, method_side = sides["target"], sides.get("method")
+                # the method's speedup once the target alone has finished (its rate before then is a partial one)
+                reference = len(target_side.tokens) / target_side.seconds if target_side.done and target_side.seconds else None
+                yield (
+                    render_side(target_side, models.tokenizer),
+                    side_stats(target_side, None),
+                    render_side(method_side, models.tokenizer) if method_side else "",
+                    side_stats(method_side, reference) if method_side else "",
+                    steps_frame(method_side),
+                    verdict(sides, do_sample),
+                )
+                if finished:
+                    break
+                time.sleep(refresh_seconds)
+        finally:  # also when the client goes away (Gradio closes the generator): the generation ends with it
+            comparison.stop()
 
     with gr.Blocks(title="PACER: speculative decoding with adaptive draft length") as demo:
         gr.Markdown("# PACER: watch speculative decoding decide\nA small draft model proposes tokens block by block; "
@@ -306,8 +379,10 @@ def build_demo(holder: ModelHolder, refresh_seconds: float = 0.25) -> gr.Blocks:
                            title="Draft per decode step: accepted and rejected tokens (hover: why drafting stopped)",
                            color_map={"accepted": "#4caf50", "rejected": "#e57373"}, elem_id="steps-chart")
         run.click(compare, inputs=[prompt, max_new_tokens, mode, temperature, method, gamma],
-                  outputs=[target_text, target_stats, method_text, method_stats, chart, verdict_md], api_name="compare")
-    return demo
+                  outputs=[target_text, target_stats, method_text, method_stats, chart, verdict_md], api_name="compare",
+                  concurrency_limit=1)
+    # one generation at a time per worker; at most QUEUE_SIZE requests wait, more are refused at once
+    return demo.queue(default_concurrency_limit=1, max_size=QUEUE_SIZE)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -329,7 +404,7 @@ def main(argv=None) -> int:
     holder = ModelHolder(lambda progress: load_models(
         args.target, args.draft, args.head, quantize_draft=False if args.no_quantize_draft else None,
         target_bits=args.target_bits, progress=progress))
-    build_demo(holder).queue().launch(server_name=args.host, server_port=args.port, css=CSS)
+    build_demo(holder).launch(server_name=args.host, server_port=args.port, css=CSS)
     return 0
 
 

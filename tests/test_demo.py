@@ -32,7 +32,7 @@ def app_url():
     models = DemoModels(target, draft, word_tokenizer(), make_head(draft, max_draft_length=16), "tiny random pair")
     demo = build_demo(ModelHolder(lambda progress: models), refresh_seconds=0.05)
     port = _free_port()
-    demo.queue().launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, css=CSS, quiet=True)
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, css=CSS, quiet=True)
     yield f"http://127.0.0.1:{port}/"
     demo.close()
 
@@ -89,3 +89,115 @@ def test_browser_shows_both_outputs(app_url):
         page.screenshot(path=str(ARTIFACTS / "demo.png"), full_page=True)
         browser.close()
     assert (ARTIFACTS / "demo.png").stat().st_size > 10_000
+
+
+# refused by Gradio's own check of a component's range or choices, or by the app's (check_request)
+@pytest.mark.parametrize("field, args, message", [
+    ("max_new_tokens", (PROMPT, 10**7, "greedy", 0.7, "PACER", 2),
+     r"max new tokens must be an integer between 8 and 512|greater than maximum value 512"),
+    ("gamma", (PROMPT, 16, "greedy", 0.7, "fixed γ", 100), r"γ must be an integer between 1 and 8|greater than maximum value 8"),
+    ("temperature", (PROMPT, 16, "sampling", 50.0, "PACER", 2),
+     r"temperature must be between 0.1 and 1.5|greater than maximum value 1.5"),
+    ("prompt", ("[1] " * 2000, 16, "greedy", 0.7, "PACER", 2), r"at most 4000"),
+    ("method", (PROMPT, 16, "greedy", 0.7, "rm -rf", 2), r"method must be one of|not in the list of choices"),
+    ("mode", (PROMPT, 16, "beam", 0.7, "PACER", 2), r"decoding must be one of|not in the list of choices"),
+])
+def test_the_server_enforces_its_limits(app_url, field, args, message):
+    """An API call is not bound by the page's sliders: every value is checked on the server, before any model runs."""
+    client = Client(app_url, verbose=False)
+    with pytest.raises(Exception, match=message):
+        client.predict(*args, api_name="/compare")
+
+
+def test_check_request_refuses_what_the_components_might_let_through():
+    """The app's own check, beneath Gradio's: non-numbers, fractions where an integer is meant, NaN, empty prompts."""
+    from modeling_pacer.demo import check_request
+
+    good = dict(prompt=PROMPT, max_new_tokens=16, mode="greedy", temperature=0.7, method="PACER", gamma=2)
+    assert check_request(**good)["max_new_tokens"] == 16
+    for field, value, message in (("max_new_tokens", "lots", "must be a number"), ("max_new_tokens", 16.5, "an integer"),
+                                  ("temperature", float("nan"), "between 0.1 and 1.5"), ("gamma", 0, "between 1 and 8"),
+                                  ("prompt", "   ", "Type a prompt"), ("prompt", None, "Type a prompt")):
+        with pytest.raises(ValueError, match=message):
+            check_request(**dict(good, **{field: value}))
+
+
+def _generation_threads():
+    import threading
+
+    return [t for t in threading.enumerate() if t.name == "pacer-demo-generation"]
+
+
+@pytest.mark.timeout(300)
+def test_eight_concurrent_clients(app_url):
+    """Eight clients at once, one asking for 10**7 tokens, one leaving early: each completed answer is the target's
+    own output, the greedy request beyond the limit is refused, the one that left stops its generation, the requests
+    run one at a time, memory stays bounded and no generation thread outlives its request."""
+    import threading
+    import time
+
+    import psutil
+
+    process = psutil.Process()
+    rss_before = process.memory_info().rss
+    results, errors = {}, {}
+
+    def ask(i, args):
+        try:
+            results[i] = Client(app_url, verbose=False).predict(*args, api_name="/compare")
+        except Exception as error:  # noqa: BLE001 - what the client saw is what the test checks
+            errors[i] = str(error)
+
+    normal = (PROMPT, 24, "greedy", 0.7, "PACER", 2)
+    requests = {i: normal if i % 2 else (PROMPT, 24, "greedy", 0.7, "fixed γ", 3) for i in range(6)}
+    requests[6] = (PROMPT, 10**7, "greedy", 0.7, "PACER", 2)
+    threads = [threading.Thread(target=ask, args=(i, a)) for i, a in requests.items()]
+    most, watching = [0], threading.Event()
+
+    def watch():  # how many generations ever ran at once
+        while not watching.is_set():
+            most[0] = max(most[0], len(_generation_threads()))
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    leaving = Client(app_url, verbose=False).submit(PROMPT, 512, "greedy", 0.7, "target alone", 2, api_name="/compare")
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while leaving.status().code.name not in ("PROCESSING", "ITERATING") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    leaving.cancel()  # the client that leaves early
+    for t in threads:
+        t.join(240)
+    assert sorted(results) == [0, 1, 2, 3, 4, 5] and list(errors) == [6], (sorted(results), errors)
+    assert re.search(r"max new tokens must be an integer between 8 and 512|greater than maximum value 512", errors[6])
+    texts = set()
+    for i in range(6):
+        target_html, _, method_html, _, _, verdict = results[i]
+        assert "Identical" in verdict and _text(target_html) == _text(method_html)
+        texts.add(_text(target_html))
+    assert len(texts) == 1  # every completed answer the same greedy output
+    deadline = time.monotonic() + 30
+    while _generation_threads() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _generation_threads(), "a generation thread outlived its request"
+    watching.set()
+    watcher.join()
+    assert most[0] == 1  # one generation at a time
+    assert process.memory_info().rss - rss_before < 500 * 2**20
+
+
+def test_a_stopped_comparison_ends_its_generation_at_the_next_step():
+    import torch
+
+    from modeling_pacer.demo import start_comparison
+
+    target, draft = make_pair("llama", "llama", "noisy")
+    models = DemoModels(target, draft, word_tokenizer(), make_head(draft, max_draft_length=16), "tiny")
+    ids = torch.tensor([[5, 17, 42]])
+    for method in ("PACER", "target alone"):
+        comparison = start_comparison(models, ids, method, 2, dict(max_new_tokens=100_000, do_sample=False))
+        comparison.stop(timeout=30)
+        assert not comparison.thread.is_alive()
+        assert all(len(side.tokens) < 400 and side.error is None for side in comparison.sides.values())
