@@ -22,7 +22,7 @@ import torch
 from transformers import GenerationMixin, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from modeling_pacer import FixedLength, PacerHead
+from modeling_pacer import SVIP, FixedLength, PacerHead
 from modeling_pacer.custom_generate.generate import generate as pacer_generate
 
 EXAMPLES = {
@@ -32,7 +32,20 @@ EXAMPLES = {
     "chat": "Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural "
             "experiences and must-see attractions.",
 }
-METHODS = ["PACER", "fixed γ", "target alone"]
+# what the page offers: the README's comparison (method -> what decides the draft's length)
+RULES = {
+    "PACER": "the head's own rule; the shipped default head's is the cost-aware rule on the draft's own probability "
+             "(keep drafting while a longer draft is expected to give more tokens per second, with this machine's "
+             "measured costs), which does not run the head (without a head, the same rule by name); the rule that "
+             "ran is named beside its result",
+    "head's block rule": "the PACER paper's rule: the trained head's mean P(accept) over each block against a "
+                         "threshold that grows per block",
+    "SVIP": "SVIP: stop when the draft's distribution is too flat (its entropy)",
+    "fixed γ": "always γ draft tokens",
+    "transformers' assisted generation": "transformers' own assisted generation (its confidence-threshold schedule), "
+                                         "as `target.generate(assistant_model=draft)` runs it",
+}
+METHODS = [*RULES, "target alone"]
 MODES = ("greedy", "sampling")
 # what one request may ask, enforced on the server: the sliders' ranges bind the page, not an API call
 LIMITS = {"max new tokens": (8, 512), "γ": (1, 8), "temperature": (0.1, 1.5)}
@@ -46,6 +59,9 @@ CSS = """
 .tok-rejected { color: #b03030; text-decoration: line-through; opacity: 0.55; }
 .tok-target { background: #d6e4ff; border-radius: 3px; }
 .pacer-text { white-space: pre-wrap; font-family: ui-monospace, monospace; font-size: 14px; line-height: 1.5; }
+.mark-ok { display: inline-block; width: 0.4em; height: 0.85em; margin: 0 0.6em 0.1em 0.3em;
+           border: solid #2e7d32; border-width: 0 0.2em 0.2em 0; transform: rotate(45deg); }
+.mark-bad { display: inline-block; color: #b03030; font-weight: bold; margin-right: 0.4em; }
 """
 LEGEND = ('<span class="tok-accepted">drafted, accepted</span> · <span class="tok-rejected">drafted, rejected</span>'
           ' · <span class="tok-target">the target\'s own token</span>')
@@ -122,6 +138,8 @@ class Side:
     finished: float | None = None
     done: bool = False
     error: str | None = None
+    rule: str = ""  # the stopping rule that ran, as the loop reports it (PACER's methods)
+    rendered: list[str] = field(default_factory=list)  # segments rendered so far: each is decoded once
 
     @property
     def seconds(self) -> float:
@@ -191,6 +209,19 @@ class Comparison:
         self.thread.join(timeout)
 
 
+def method_arguments(method: str, gamma: int, head) -> dict:
+    """`generate`'s arguments for one of pacer's methods on the page."""
+    if method == "PACER":  # the head's default rule, or by name where no head is loaded: the same rule
+        return dict(pacer_head=head) if head is not None else dict(stopping_policy="throughput")
+    if method == "head's block rule":
+        return dict(pacer_head=head, stopping_policy="pacer")
+    if method == "SVIP":
+        return dict(stopping_policy=SVIP())
+    if method == "fixed γ":
+        return dict(stopping_policy=FixedLength(gamma))
+    raise ValueError(f"no pacer method {method!r}")
+
+
 def check_request(prompt, max_new_tokens, mode, temperature, method, gamma) -> dict:
     """The request's values, checked on the server (an API call can send anything): a ValueError naming the first
     that is out of bounds."""
@@ -231,15 +262,19 @@ def start_comparison(models: DemoModels, input_ids, method: str, gamma: int, set
         GenerationMixin.generate(models.target, input_ids, streamer=_Streamer(sides["target"], []), **settings)
 
     def speculative():
+        if method == "transformers' assisted generation":  # its steps are not reported: its text is shown plain
+            GenerationMixin.generate(models.target, input_ids, assistant_model=models.draft,
+                                     streamer=_Streamer(sides["method"], []), **settings)
+            return
         pending: list = []
 
         def on_step(ids, draft, target_scores, accepted):
             pending.append((draft.tokens[0].tolist(), accepted, draft.stop_reason))
 
-        policy = FixedLength(gamma) if method == "fixed γ" else None
-        pacer_generate(models.target, input_ids, assistant_model=models.draft, pacer_head=models.head if policy is None else None,
-                       stopping_policy=policy, streamer=_Streamer(sides["method"], pending),
-                       pacer_step_callback=on_step, **settings)
+        out = pacer_generate(models.target, input_ids, assistant_model=models.draft, streamer=_Streamer(sides["method"], pending),
+                             pacer_step_callback=on_step, return_dict_in_generate=True,
+                             **method_arguments(method, gamma, models.head), **settings)
+        sides["method"].rule = out.pacer_stats.policy
 
     runs = {"target": target_alone, "method": speculative}
 
@@ -260,13 +295,13 @@ def start_comparison(models: DemoModels, input_ids, method: str, gamma: int, set
 # rendering
 # --------------------------------------------------------------------------------------------------
 def render_side(side: Side, tokenizer) -> str:
-    parts = []
-    for tokens, kind in side.segments:
-        if not tokens:
-            continue
-        text = html.escape(tokenizer.decode(tokens, skip_special_tokens=False))
-        parts.append(text if kind == "plain" else f'<span class="tok-{kind}" title="{kind}">{text}</span>')
-    body = "".join(parts) or "…"
+    """The side's text as HTML. Segments only ever get appended, so each is decoded once: a refresh renders what
+    arrived since the last one, and the page's work (under Python's lock, beside the generating thread) stays small
+    whatever the text's length."""
+    for tokens, kind in side.segments[len(side.rendered):]:  # a snapshot: the generating thread only appends
+        text = html.escape(tokenizer.decode(tokens, skip_special_tokens=False)) if tokens else ""
+        side.rendered.append(text if kind == "plain" or not text else f'<span class="tok-{kind}" title="{kind}">{text}</span>')
+    body = "".join(side.rendered) or "…"
     if side.error:
         body += f'<p style="color:#b03030">error: {html.escape(side.error)}</p>'
     return f'<div class="pacer-text">{body}</div>'
@@ -275,15 +310,29 @@ def render_side(side: Side, tokenizer) -> str:
 def side_stats(side: Side, reference_rate: float | None) -> str:
     if side.started is None:
         return "waiting: the two run one after the other, so that each runs at its own speed"
-    seconds = side.seconds
-    rate = len(side.tokens) / seconds if seconds > 0 else 0.0
-    text = f"**{len(side.tokens)} tokens · {rate:.1f} tokens/s**" + ("" if side.done else " (generating)")
-    if reference_rate:
+    rate = shown_rate(side)
+    text = f"**{len(side.tokens)} tokens · {rate:.2f} tokens/s**" + ("" if side.done else " (generating)")
+    if reference_rate:  # the ratio of the two rates as shown
         text += f" · **{rate / reference_rate:.2f}x** the target alone"
     if side.steps:
         tau = len(side.tokens) / len(side.steps)
         text += f" · {len(side.steps)} target forwards · {tau:.2f} tokens per forward"
+    if side.rule:
+        text += f"  \nrule: `{side.rule}`"
     return text
+
+
+def shown_rate(side: Side) -> float:
+    """The side's tokens/s as the page shows it (two decimals), so that the speedup shown is their ratio."""
+    seconds = side.seconds
+    return round(len(side.tokens) / seconds, 2) if seconds > 0 else 0.0
+
+
+def steps_chart(side: Side | None):
+    """The per-step chart, its y-axis up to the longest draft so that every bar shows whole."""
+    frame = steps_frame(side)
+    longest = max((s["accepted"] + s["rejected"] for s in side.steps), default=0) if side else 0
+    return gr.BarPlot(frame, y_lim=[0, max(4, longest + 1)])
 
 
 def steps_frame(side: Side | None) -> pd.DataFrame:
@@ -295,15 +344,17 @@ def steps_frame(side: Side | None) -> pd.DataFrame:
 
 
 def verdict(sides: dict, do_sample: bool) -> str:
+    """The verdict as HTML; its mark is drawn by CSS (an emoji needs a font a headless browser may lack)."""
     if "method" not in sides:
-        return "Only the target ran."
+        return "<p>Only the target ran.</p>"
     if not all(s.done for s in sides.values()):
-        return "Generating…"
+        return "<p>Generating…</p>"
     if do_sample:
-        return "Sampling: the two outputs are different draws; PACER samples exactly the target's distribution."
+        return "<p>Sampling: the two outputs are different draws; PACER samples exactly the target's distribution.</p>"
     same = sides["target"].tokens == sides["method"].tokens
-    return ("✅ **Identical**: checked token for token, the method's output is the target's greedy output."
-            if same else "❌ **The outputs differ**: this is a bug, please report it.")
+    return ('<p><span class="mark-ok"></span><strong>Identical</strong>: checked token for token, the method\'s output '
+            "is the target's greedy output.</p>" if same else
+            '<p><span class="mark-bad">×</span><strong>The outputs differ</strong>: this is a bug, please report it.</p>')
 
 
 # --------------------------------------------------------------------------------------------------
@@ -316,8 +367,8 @@ def build_demo(holder: ModelHolder, refresh_seconds: float = 0.25) -> gr.Blocks:
         except ValueError as error:
             raise gr.Error(str(error)) from None
         models = holder.get(progress)
-        if method == "PACER" and models.head is None:
-            raise gr.Error("No PACER head is loaded for this pair: choose fixed γ, or start the demo with --head.")
+        if method == "head's block rule" and models.head is None:
+            raise gr.Error("No PACER head is loaded for this pair: choose another method, or start the demo with --head.")
         from modeling_pacer.prompts import apply_chat_template
 
         input_ids = apply_chat_template(models.tokenizer, request["prompt"])
@@ -334,13 +385,13 @@ def build_demo(holder: ModelHolder, refresh_seconds: float = 0.25) -> gr.Blocks:
                 finished = all(s.done for s in sides.values())
                 target_side, method_side = sides["target"], sides.get("method")
                 # the method's speedup once the target alone has finished (its rate before then is a partial one)
-                reference = len(target_side.tokens) / target_side.seconds if target_side.done and target_side.seconds else None
+                reference = shown_rate(target_side) if target_side.done and target_side.seconds else None
                 yield (
                     render_side(target_side, models.tokenizer),
                     side_stats(target_side, None),
                     render_side(method_side, models.tokenizer) if method_side else "",
                     side_stats(method_side, reference) if method_side else "",
-                    steps_frame(method_side),
+                    steps_chart(method_side),
                     verdict(sides, do_sample),
                 )
                 if finished:
@@ -350,10 +401,11 @@ def build_demo(holder: ModelHolder, refresh_seconds: float = 0.25) -> gr.Blocks:
             comparison.stop()
 
     with gr.Blocks(title="PACER: speculative decoding with adaptive draft length") as demo:
-        gr.Markdown("# PACER: watch speculative decoding decide\nA small draft model proposes tokens block by block; "
-                    "a trained head stops drafting when the block is unlikely to be accepted; the target checks the whole "
-                    "draft in one forward. Left: the target alone. Right: the method you choose; it runs first, then the target "
-                    "alone, so that neither slows the other down. " + LEGEND)
+        gr.Markdown("# PACER: watch speculative decoding decide\nA small draft model proposes tokens; a rule decides "
+                    "when to stop drafting; the target checks the whole draft in one forward, so the output is the "
+                    "target's own. Left: the target alone. Right: the method you choose; it runs first, then the target "
+                    "alone, so that neither slows the other down. " + LEGEND + "\n\n**What decides the draft's length**: "
+                    + " · ".join(f"**{name}**: {rule}" for name, rule in RULES.items()) + ".")
         with gr.Row():
             with gr.Column(scale=3):
                 prompt = gr.Textbox(label="Prompt", lines=3, value=EXAMPLES["code"])
@@ -365,7 +417,7 @@ def build_demo(holder: ModelHolder, refresh_seconds: float = 0.25) -> gr.Blocks:
                 mode = gr.Radio(["greedy", "sampling"], value="greedy", label="Decoding")
                 temperature = gr.Slider(0.1, 1.5, value=0.7, step=0.05, label="temperature (sampling)")
                 run = gr.Button("Generate", variant="primary", elem_id="generate")
-        verdict_md = gr.Markdown(elem_id="verdict")
+        verdict_md = gr.HTML(elem_id="verdict")
         with gr.Row():
             with gr.Column():
                 gr.Markdown("### The target alone")

@@ -87,8 +87,16 @@ def test_browser_shows_both_outputs(app_url):
         assert page.locator("#method-text .tok-accepted").count() + page.locator("#method-text .tok-target").count() > 0
         assert "tokens/s" in page.locator("#method-stats").inner_text()
         page.screenshot(path=str(ARTIFACTS / "demo.png"), full_page=True)
+        page.locator("#verdict .mark-ok").screenshot(path=str(ARTIFACTS / "verdict-mark.png"))
         browser.close()
     assert (ARTIFACTS / "demo.png").stat().st_size > 10_000
+    # the mark is drawn (CSS, no font needed): its picture holds the mark's green
+    from PIL import Image
+
+    picture = Image.open(ARTIFACTS / "verdict-mark.png").convert("RGB")
+    pixels = [picture.getpixel((x, y)) for x in range(picture.width) for y in range(picture.height)]
+    green = sum(1 for r, g, b in pixels if g > 100 and g > r + 40 and g > b + 40)
+    assert green >= 10, f"the verdict's mark did not render ({green} green pixels of {len(pixels)})"
 
 
 # refused by Gradio's own check of a component's range or choices, or by the app's (check_request)
@@ -201,3 +209,25 @@ def test_a_stopped_comparison_ends_its_generation_at_the_next_step():
         comparison.stop(timeout=30)
         assert not comparison.thread.is_alive()
         assert all(len(side.tokens) < 400 and side.error is None for side in comparison.sides.values())
+
+
+@pytest.mark.parametrize("method", ["PACER", "head's block rule", "SVIP", "fixed γ", "transformers' assisted generation"])
+def test_every_method_of_the_page_is_the_target_and_its_speedup_is_the_ratio_shown(app_url, method):
+    client = Client(app_url, verbose=False)
+    target_html, target_stats, method_html, method_stats, chart, verdict = client.predict(
+        PROMPT, 32, "greedy", 0.7, method, 3, api_name="/compare")
+    assert "Identical" in verdict and _text(target_html) == _text(method_html)
+    rate = lambda stats: float(re.search(r"([\d.]+) tokens/s", stats).group(1))  # noqa: E731
+    shown = float(re.search(r"([\d.]+)x\*\* the target alone", method_stats).group(1))
+    assert abs(shown - rate(method_stats) / rate(target_stats)) <= 0.005 + 1e-9  # the ratio of the two rates shown
+    if method != "transformers' assisted generation":
+        assert "rule: `" in method_stats  # the page names the rule that ran
+
+
+def test_the_page_names_what_decides_and_the_chart_shows_every_bar():
+    from modeling_pacer.demo import RULES, Side, steps_chart
+
+    assert "the cost-aware rule on the draft's own probability" in RULES["PACER"]
+    side = Side("method", steps=[dict(accepted=2, rejected=10, reason="x"), dict(accepted=16, rejected=0, reason="y")])
+    assert steps_chart(side).y_lim == [0, 17]
+    assert steps_chart(None).y_lim[1] >= 1
