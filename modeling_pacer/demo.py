@@ -12,6 +12,7 @@ every token came: drafted and accepted, drafted and rejected (struck through), o
 import argparse
 import html
 import os
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -52,8 +53,42 @@ LIMITS = {"max new tokens": (8, 512), "γ": (1, 8), "temperature": (0.1, 1.5)}
 MAX_PROMPT_CHARS = 4000
 MAX_PROMPT_TOKENS = 1024
 QUEUE_SIZE = 8  # requests waiting behind the one generating; more are turned away (memory stays bounded)
-# one generation at a time per process: on a CPU two share the cores and each would run at a fraction of its speed
-_GENERATING = threading.Lock()
+
+
+class GenerationWorker:
+    """The one long-lived thread that runs every generation of the process, one at a time, in the order asked: on a
+    CPU two generations at once share the cores and each runs at a fraction of its speed. One thread for all, not one
+    per request: the target alone in a thread started for it ran 7% slower than in the main thread
+    (benchmarks/results/2026-12-04-space-truth), in this long-lived one as fast."""
+
+    def __init__(self):
+        self._jobs: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._start = threading.Lock()
+        self.busy = threading.Event()  # set while a generation runs
+
+    def submit(self, job) -> threading.Event:
+        """Run `job()` on the worker; the returned event is set once it has ended (returned or raised)."""
+        with self._start:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, daemon=True, name="pacer-demo-generation")
+                self._thread.start()
+        done = threading.Event()
+        self._jobs.put((job, done))
+        return done
+
+    def _loop(self) -> None:
+        while True:
+            job, done = self._jobs.get()
+            self.busy.set()
+            try:
+                job()
+            finally:
+                self.busy.clear()
+                done.set()
+
+
+WORKER = GenerationWorker()
 CSS = """
 .tok-accepted { background: #d3f5d3; border-radius: 3px; }
 .tok-rejected { color: #b03030; text-decoration: line-through; opacity: 0.55; }
@@ -197,16 +232,16 @@ class _Cancelled(StoppingCriteria):
 
 @dataclass
 class Comparison:
-    """A running comparison: its sides, the thread that generates them, and the event that stops it."""
+    """A running comparison: its sides, the event set once its generations have ended, and the one that stops them."""
 
     sides: dict[str, Side]
-    thread: threading.Thread
+    done: threading.Event
     cancel: threading.Event
 
     def stop(self, timeout: float = 60.0) -> None:
-        """End the generation (at its next step) and wait for its thread."""
+        """End the generation (at its next step) and wait until it has."""
         self.cancel.set()
-        self.thread.join(timeout)
+        self.done.wait(timeout)
 
 
 def method_arguments(method: str, gamma: int, head) -> dict:
@@ -248,8 +283,8 @@ def check_request(prompt, max_new_tokens, mode, temperature, method, gamma) -> d
 
 
 def start_comparison(models: DemoModels, input_ids, method: str, gamma: int, settings: dict) -> Comparison:
-    """Run `method`, then the target alone, in one background thread; returns the comparison, its sides filled as
-    they stream. `Comparison.stop()` ends the generation at its next step.
+    """Run `method`, then the target alone, on the generation worker ([`WORKER`]); returns the comparison, its sides
+    filled as they stream. `Comparison.stop()` ends the generation at its next step.
 
     One after the other, never at once: on a CPU two generations share the same cores and memory bandwidth, so
     side by side each would run at a fraction of its speed; in turn, each side's tokens/s is what it makes alone."""
@@ -279,16 +314,13 @@ def start_comparison(models: DemoModels, input_ids, method: str, gamma: int, set
     runs = {"target": target_alone, "method": speculative}
 
     def both():
-        with _GENERATING:
-            for name in names:
-                if cancel.is_set():
-                    sides[name].done = True
-                    continue
-                _run(sides[name], runs[name])
+        for name in names:
+            if cancel.is_set():
+                sides[name].done = True
+                continue
+            _run(sides[name], runs[name])
 
-    thread = threading.Thread(target=both, daemon=True, name="pacer-demo-generation")
-    thread.start()
-    return Comparison(sides, thread, cancel)
+    return Comparison(sides, WORKER.submit(both), cancel)
 
 
 # --------------------------------------------------------------------------------------------------

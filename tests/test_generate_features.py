@@ -217,11 +217,11 @@ def test_custom_generate_callable():
 
 
 def _custom_generate_folder(tmp_path: Path) -> Path:
-    """The `custom_generate/` folder as it would be pushed to the Hub: its two files, nothing else."""
+    """The `custom_generate/` folder as it would be pushed to the Hub: its files, nothing else."""
     source = Path(modeling_pacer.__file__).parent / "custom_generate"
     repo = tmp_path / "pacer-generate"
     (repo / "custom_generate").mkdir(parents=True)
-    for name in ("generate.py", "policies.py"):
+    for name in ("generate.py", "policies.py", "steps.py", "costs.py"):
         shutil.copy(source / name, repo / "custom_generate" / name)
     return repo
 
@@ -258,3 +258,33 @@ def test_target_repo_shipping_custom_generate_binds_it_on_load(tmp_path):
     # and plain generation through such a target, without PACER's arguments
     assert target.generate(PROMPT, max_new_tokens=15).tolist() == expected
     assert target.generate(input_ids=PROMPT, max_new_tokens=15).tolist() == expected
+
+
+def test_custom_generate_imports_nothing_of_pacer_outside_itself():
+    """The Hub folder's promise: its files import torch, transformers, the standard library and each other only."""
+    import ast
+
+    folder = Path(modeling_pacer.__file__).parent / "custom_generate"
+    siblings = {p.stem for p in folder.glob("*.py")}
+    for path in folder.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                assert node.level == 1 and (node.module or "").split(".")[0] in siblings | {""}, (path.name, node.module)
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and not node.level else []
+            for name in names:
+                assert not name.startswith("modeling_pacer"), (path.name, name)
+                assert name.split(".")[0] in {"torch", "transformers", *__import__("sys").stdlib_module_names}, (path.name, name)
+
+
+def test_the_hub_folder_alone_measures_costs_for_a_cost_aware_rule(tmp_path):
+    """The remote-code copy of the loop has no pacer installed to cache curves: a head whose rule is cost-aware still
+    runs, its costs measured by the loop itself (once per process and models)."""
+    repo = _custom_generate_folder(tmp_path)
+    target = make_model("llama", seed=1)
+    _, draft = make_pair("llama", "llama", "noisy")
+    head = make_head(draft, stopping_rule="throughput", throughput_estimate="draft", max_draft_length=6)
+    out = target.generate(PROMPT, custom_generate=str(repo), trust_remote_code=True, assistant_model=draft,
+                          pacer_head=head, max_new_tokens=12, return_dict_in_generate=True)
+    assert out.sequences.tolist() == target.generate(PROMPT, max_new_tokens=12).tolist()
+    assert out.pacer_stats.policy.startswith("ExpectedThroughput(estimate='draft'")

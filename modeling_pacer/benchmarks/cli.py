@@ -31,7 +31,7 @@ from modeling_pacer.resources import ensure_writable_folder, portable_path
 # that reproduced that benchmark's ranking (at 32 tokens the prompt's prefill, the same for every method, hides it)
 QUICK_METHODS = ["target", "hf-assisted", "fixed-4", "svip", "specdec++", "pacer"]
 QUICK_NEW_TOKENS = 96
-COMMANDS = ("run", "replay", "merge", "costs", "agreement", "draft-agreement", "device")
+COMMANDS = ("run", "replay", "merge", "costs", "agreement", "draft-agreement", "device", "space")
 
 
 def _positive(text: str) -> int:
@@ -140,6 +140,15 @@ def build_parser() -> argparse.ArgumentParser:
                         help="prefix lengths the rows are compared after (the curve is timed after the longest)")
     device.add_argument("--repeats", type=_positive, default=5)
     _add_output(device, "device-out")
+
+    space = sub.add_parser("space", help="the Space's target alone against the same call outside it, interleaved: "
+                           "does the page show each side at its own speed (the default pair)")
+    space.add_argument("--prompt", choices=("code", "maths", "chat"), default="code", help="one of the page's examples")
+    space.add_argument("--method", default="PACER", help="the page's method beside the target alone")
+    space.add_argument("--max-new-tokens", type=_positive, default=128)
+    space.add_argument("--rounds", type=_positive, default=3)
+    space.add_argument("--threads", type=_positive, help="torch CPU threads (default: torch's choice)")
+    _add_output(space, "space-out")
     return p
 
 
@@ -159,6 +168,15 @@ def validate(args) -> None:
 
     from .methods import all_methods, select_methods
 
+    if args.command == "space":
+        from importlib.util import find_spec
+
+        if find_spec("gradio") is None or find_spec("gradio_client") is None:
+            raise ValueError("space drives the Space: it needs gradio (pip install -e '.[demo]')")
+        from modeling_pacer.demo import METHODS
+
+        if args.method not in METHODS or args.method == "target alone":
+            raise ValueError(f"--method must be one of {[m for m in METHODS if m != 'target alone']}, got {args.method!r}")
     if args.command == "device":
         import torch
 
@@ -577,6 +595,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def _run_space(args) -> dict:
+    from .space import run_space
+
+    return run_space(args)
+
+
 def _run_device(args) -> dict:
     from .device import run_device
 
@@ -586,7 +610,8 @@ def _run_device(args) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     result = {"run": run, "replay": run_replay, "merge": run_merge, "costs": run_costs,
-              "agreement": run_agreement, "draft-agreement": run_draft_agreement, "device": _run_device}[args.command](args)
+              "agreement": run_agreement, "draft-agreement": run_draft_agreement, "device": _run_device,
+              "space": _run_space}[args.command](args)
     lost = [r for r in result.get("summary", []) if r.get("dataset") == "all" and r.get("mismatches")]
     if lost:  # the report is written, but a method that changed the target's output is a failure
         print(f"pacer-bench: NOT LOSSLESS: {[r['method'] for r in lost]} changed the target's output", file=sys.stderr)

@@ -12,14 +12,13 @@ One loop serves every stopping policy (`policies.py` beside this file): per deco
 4. **updates**: the new tokens are emitted one by one through the stopping criteria (EOS, max
    length, stop strings, ...) and the streamer, and both KV caches are cropped to the accepted prefix.
 
-This folder is published as is as a `custom_generate` repo: the two files import only torch and
-transformers. `generate()` below is the entry point transformers calls for such a repo, and what
+This folder is published as is as a `custom_generate` repo: its files (this one, `policies.py`, `steps.py`,
+`costs.py`) import only torch, transformers and each other. `generate()` below is the entry point transformers calls for such a repo, and what
 `modeling_pacer.enable_pacer(model)` binds as `model.generate`.
 """
 
 import copy
 import dataclasses
-import functools
 import inspect
 import time
 import warnings
@@ -28,9 +27,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 from transformers import DynamicCache, GenerationMixin, StoppingCriteriaList, StopStringCriteria
 from transformers.cache_utils import BaseQuantizedLayer, DynamicLayer, LinearAttentionCacheLayerMixin
-from transformers.generation.utils import ALL_CACHE_NAMES, GenerateDecoderOnlyOutput, _speculative_sampling
+from transformers.generation.utils import GenerateDecoderOnlyOutput, _speculative_sampling
 
+from .costs import curve_disagrees, fixed_prefix, measure_costs
 from .policies import DraftView, ExpectedThroughput, StoppingPolicy, head_rule, make_policy
+from .steps import CACHE_NAMES, cache_kwargs, crop_cache, model_forward  # noqa: F401 - the loop's step functions
 
 
 # --------------------------------------------------------------------------------------------------
@@ -134,59 +135,10 @@ class _Timer:
         setattr(self.stats, attr, getattr(self.stats, attr) + time.perf_counter() - self.start)
 
 
-# --------------------------------------------------------------------------------------------------
-# the cache's name: transformers 5.24 renamed it from `past_key_values` to `cache`, both in the
-# `model_kwargs` that `generate` hands a decoding method and in the models' forwards
-# --------------------------------------------------------------------------------------------------
-# the names `generate` may hold a cache under, the current one first (transformers' own list)
-CACHE_NAMES = tuple(ALL_CACHE_NAMES)
 # the field of generate's output that returns the cache
 _OUTPUT_CACHE_FIELD = next(
     f.name for f in dataclasses.fields(GenerateDecoderOnlyOutput) if f.name in ("cache", "past_key_values")
 )
-
-
-@functools.lru_cache(maxsize=None)
-def _forward_cache_name(forward) -> str:
-    parameters = inspect.signature(forward).parameters
-    for name in ("cache", "past_key_values"):
-        if name in parameters:
-            return name
-    return CACHE_NAMES[0]  # a forward taking only **kwargs: the installed transformers' name
-
-
-def cache_kwargs(model, cache) -> dict:
-    """`{name: cache}` under the name `model.forward` expects (`cache` on transformers >= 5.24 models,
-    `past_key_values` before, or for remote-code models written for it), so no deprecation warning fires."""
-    return {_forward_cache_name(type(model).forward): cache}
-
-
-# --------------------------------------------------------------------------------------------------
-# step functions
-# --------------------------------------------------------------------------------------------------
-def model_forward(model, tokens: torch.LongTensor, cache, num_logits: int, hidden: bool = False):
-    """Feed `tokens` `(1, n)` after what `cache` holds.
-
-    Returns `(logits (1, num_logits, vocab) float32, last hidden states (1, num_logits, hidden) or None)`.
-    """
-    kwargs = {"output_hidden_states": True} if hidden else {}
-    if getattr(model, "_supports_logits_to_keep", lambda: False)():
-        kwargs["logits_to_keep"] = num_logits
-    out = model(input_ids=tokens.to(model.device), use_cache=True, **cache_kwargs(model, cache), **kwargs)
-    logits = out.logits[:, -num_logits:, :].float()
-    states = out.hidden_states[-1][:, -num_logits:, :] if hidden else None
-    return logits, states
-
-
-def crop_cache(cache, length: int) -> None:
-    """Keep the first `length` positions of `cache` (transformers 5's `crop` takes a negative count to drop).
-
-    Called after every step, even with nothing to drop: `crop(0)` trims sliding-window layers, which
-    keep their whole past while a draft is pending (`activate_past_recording`), back to the window.
-    """
-    if cache.get_seq_length() == 0:
-        return  # an empty cache (the draft's, after the prefill step) has no layers to crop
-    cache.crop(-max(0, cache.get_seq_length() - length))
 
 
 def _process(logits_processor, prefix: torch.LongTensor, logits: torch.Tensor) -> torch.Tensor:
@@ -550,15 +502,33 @@ def _cost_inputs(stopping_policy, head, do_sample) -> tuple | None:
 _THROUGHPUT_MAX_DRAFT = inspect.signature(ExpectedThroughput).parameters["max_draft_length"].default
 
 
+# who gives a cost-aware rule this machine's costs when the caller passes none: `modeling_pacer` registers its
+# `host_costs` (measured once per host and models, cached on disk) when it is imported; without it (this folder as
+# Hub remote code alone) the loop measures the curve itself, once per process and models
+_COST_PROVIDER: dict = {}
+_MEASURED: dict = {}
+
+
+def register_cost_provider(measure, forget) -> None:
+    """`measure(target, draft, head, max_tokens=...) -> CostModel` and `forget(target, draft, head, max_tokens=...)
+    -> bool` (drop a curve found stale) for every cost-aware rule run without `pacer_costs`."""
+    _COST_PROVIDER.update(measure=measure, forget=forget)
+
+
 def _host_costs(model, draft_model, head, max_tokens: int):
-    """This machine's cost model for a cost-aware rule: measured once per host and models, then read from pacer's
-    cache (`modeling_pacer.host_costs`), when the pacer package is installed; None otherwise (`make_policy` then
-    says what to pass)."""
-    try:
-        from modeling_pacer.costs import host_costs
-    except ImportError:
-        return None
-    return host_costs(model, draft_model, head, max_tokens=max_tokens)
+    """This machine's cost model for a cost-aware rule: the registered provider's, or measured here once per process."""
+    if "measure" in _COST_PROVIDER:
+        return _COST_PROVIDER["measure"](model, draft_model, head, max_tokens=max_tokens)
+    key = (id(model), id(draft_model), id(head), max_tokens)
+    if key not in _MEASURED:
+        _MEASURED[key] = measure_costs(model, draft_model, head, fixed_prefix(model, 128, draft_model), max_tokens)
+    return _MEASURED[key]
+
+
+def _forget_costs(model, draft_model, head, max_tokens: int) -> bool:
+    if "forget" in _COST_PROVIDER:
+        return _COST_PROVIDER["forget"](model, draft_model, head, max_tokens=max_tokens)
+    return _MEASURED.pop((id(model), id(draft_model), id(head), max_tokens), None) is not None
 
 
 def _check_host_costs(model, draft_model, head, max_tokens, costs, stats) -> None:
@@ -567,8 +537,6 @@ def _check_host_costs(model, draft_model, head, max_tokens, costs, stats) -> Non
     models), so the next call measures it again instead of deciding a week of runs with a busy minute's curve.
     (2x, not pacer-bench's 1.3x: live steps run after longer contexts than the curve's fixed prefix.) Curves of
     forwards under 5 ms (tiny models: Python overhead and timer noise) are not judged."""
-    from modeling_pacer.costs import curve_disagrees, forget_costs
-
     drafted = [s.drafted for s in stats.steps if s.stop_reason != "prefill"]
     if len(drafted) < 16 or costs.target(1) < 0.005:
         return
@@ -577,7 +545,7 @@ def _check_host_costs(model, draft_model, head, max_tokens, costs, stats) -> Non
     if ratio is None or key in _FORGOTTEN:
         return
     _FORGOTTEN.add(key)
-    if forget_costs(model, draft_model, head, max_tokens=max_tokens):
+    if _forget_costs(model, draft_model, head, max_tokens):
         warnings.warn(f"this call's target forwards took {ratio:.2f}x what the cached cost curve predicts: "
                       "it will be measured again on the next call", stacklevel=4)
 

@@ -14,7 +14,6 @@ A token's label is cumulative: 1 if the target accepts it and every draft token 
 import json
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
