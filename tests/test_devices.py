@@ -135,7 +135,7 @@ def test_every_check_runs_before_the_cost_measurement(no_measurement, bad, messa
         ids = PROMPT[:, :0]
     elif bad == "prefilled":
         cache = DynamicCache(config=target.config)
-        target(input_ids=PROMPT[:, :2], cache=cache, use_cache=True)
+        target(input_ids=PROMPT[:, :2], use_cache=True, **loop.cache_kwargs(target, cache))  # the name this version takes
         kwargs["past_key_values"] = cache
     else:
         draft = make_model("llama", seed=2, vocab=50)

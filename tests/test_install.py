@@ -71,11 +71,12 @@ def test_non_editable_install_imports_every_module_and_finds_its_data(tmp_path):
     assert "modules" in out.stdout
 
 
-def test_torch_is_a_range_and_an_installed_build_of_it_is_kept(tmp_path):
-    """pyproject asks for a torch range (no `==` pin: the CPU wheel is the README's and CI's command), which the
-    installed build satisfies, and pip's plan for `pip install .` in this environment installs pacer alone: the
-    torch already there (here the CPU build; for a GPU user a CUDA one of the range) stays."""
-    import json
+def test_torch_is_a_range_and_an_installed_build_of_it_is_kept():
+    """pyproject asks for a torch range (no `==` pin: the CPU wheel is the README's and CI's command) that the
+    installed build satisfies, a CUDA build of the same release too; pip leaves a requirement that is already
+    satisfied as it is (its default strategy), so `pip install .` keeps the user's torch. Every other requirement is
+    satisfied here as well: the environment CI tests is the one pyproject describes."""
+    import importlib.metadata as metadata
     import tomllib
 
     import torch
@@ -86,8 +87,5 @@ def test_torch_is_a_range_and_an_installed_build_of_it_is_kept(tmp_path):
     spec = next(r.specifier for r in requirements if r.name == "torch")
     assert not any(s.operator == "==" for s in spec), spec
     assert Version(torch.__version__) in spec and Version("2.13.0+cu130") in spec
-    report = tmp_path / "report.json"
-    subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-build-isolation", "--no-index", "--quiet",
-                    "--disable-pip-version-check", "--report", str(report), str(ROOT)], check=True, cwd=tmp_path)
-    planned = [item["metadata"]["name"] for item in json.loads(report.read_text())["install"]]
-    assert planned == ["pacer-decoding"], planned
+    unmet = [str(r) for r in requirements if Version(metadata.version(r.name)) not in r.specifier]
+    assert not unmet, unmet
