@@ -121,13 +121,16 @@ def no_measurement(monkeypatch):
 
 
 @pytest.mark.parametrize("bad, message", [("batch", "batch size 1 only"), ("empty", "input_ids is empty"),
-                                          ("prefilled", "needs an empty cache"), ("vocabulary", "vocabulary")])
-def test_every_check_runs_before_the_cost_measurement(no_measurement, bad, message):
-    """A head whose default rule is cost-aware and no curve: a bad call is refused before anything is measured."""
-    from transformers import DynamicCache
+                                          ("prefilled", "needs an empty cache"), ("vocabulary", "vocabulary"),
+                                          ("recurrent", "LinearAttentionLayer")])
+def test_every_check_runs_before_the_cost_measurement(no_measurement, monkeypatch, bad, message):
+    """A head whose default rule is cost-aware and no curve: a bad call is refused before anything is measured and
+    before any forward of the loop."""
+    from transformers import DynamicCache, MambaConfig, MambaForCausalLM
+
+    from modeling_pacer import enable_pacer
 
     target, draft = make_pair("llama", "llama", "noisy")
-    head = make_head(draft, stopping_rule="throughput", throughput_estimate="draft")
     ids, kwargs = PROMPT, {}
     if bad == "batch":
         ids = PROMPT.repeat(2, 1)
@@ -137,8 +140,13 @@ def test_every_check_runs_before_the_cost_measurement(no_measurement, bad, messa
         cache = DynamicCache(config=target.config)
         target(input_ids=PROMPT[:, :2], use_cache=True, **loop.cache_kwargs(target, cache))  # the name this version takes
         kwargs["past_key_values"] = cache
+    elif bad == "recurrent":  # a state-space model: its cache cannot be rolled back after a rejected draft
+        config = MambaConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2, state_size=4, expand=2, conv_kernel=2)
+        target, draft = enable_pacer(MambaForCausalLM(config).eval()), MambaForCausalLM(config).eval()
     else:
         draft = make_model("llama", seed=2, vocab=50)
+    head = make_head(draft, stopping_rule="throughput", throughput_estimate="draft")
+    monkeypatch.setattr(loop, "model_forward", lambda *a, **k: pytest.fail("a forward ran before the checks"))
     with pytest.raises(ValueError, match=message):
         target.generate(ids, assistant_model=draft, pacer_head=head, max_new_tokens=4, **kwargs)
 
