@@ -50,6 +50,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from . import kernels
 from .exact_linear import exact_linears, is_exact_linear
+from .custom_generate.costs import fixed_prefix
 from .fixed_rows import fixed_rows, row_agreement
 from .last_call import LastCall
 
@@ -238,8 +239,7 @@ def make_exact(model: torch.nn.Module, rows=None, *, verify_rows: int = 16) -> t
     to `verify_rows` tokens. `model._pacer_exact` says which way was taken (None: none was exact there, with a
     warning). Returns the model."""
     if model.device.type in ("cpu", "meta"):
-        model.set_attn_implementation(NAME)
-        exact_linears(model, rows)
+        _rows_alone(model, rows)
         model._pacer_exact = "rows-alone"
         return model
     return choose_exact(model, verify_rows)
@@ -249,9 +249,9 @@ def make_exact(model: torch.nn.Module, rows=None, *, verify_rows: int = 16) -> t
 PROBE_PREFIXES = (37, 300)
 
 
-def _rows_alone(model):
+def _rows_alone(model, rows=None):
     model.set_attn_implementation(NAME)
-    exact_linears(model)
+    exact_linears(model, rows)
 
 
 def _undo_rows_alone(model, attention):
@@ -292,11 +292,9 @@ def undo_exact(model: torch.nn.Module, attention: str, forward=None) -> torch.nn
 def probe_exact(model: torch.nn.Module, rows: int, prefixes=PROBE_PREFIXES) -> float:
     """The largest logit difference between a call of 1..`rows` tokens (and a prefill) and single-token steps over
     `model` as it is, after each prefix length in `prefixes` (0.0: bitwise equal everywhere)."""
-    vocab = model.config.get_text_config(decoder=True).vocab_size
     worst = 0.0
     for length in prefixes:
-        prefix = (torch.arange(length) * 7919 % vocab).view(1, -1)
-        worst = max(worst, max(row_agreement(model, prefix, sizes=range(1, rows + 1)).values()))
+        worst = max(worst, max(row_agreement(model, fixed_prefix(model, length), sizes=range(1, rows + 1)).values()))
     return worst
 
 

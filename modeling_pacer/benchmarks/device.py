@@ -56,33 +56,20 @@ def random_model(shape: str, dtype: torch.dtype = torch.bfloat16, device="cpu", 
     return model.eval()
 
 
-@torch.no_grad()
 def forward_curve(model, prefix: torch.LongTensor, max_tokens: int, repeats: int) -> dict[int, float]:
     """Seconds of a forward of 1..`max_tokens` tokens after the cached `prefix`, median of `repeats` interleaved
-    rounds (one warm-up round excluded), the device synchronized at every clock reading."""
-    from transformers import DynamicCache
+    rounds (one warm-up round excluded), the device synchronized at every clock reading: the cost model's target
+    curve ([`modeling_pacer.costs.measure_costs`]) without a draft."""
+    from ..costs import measure_costs
 
-    from ..costs import device_clock, interleaved_medians, model_devices
-    from ..custom_generate.generate import crop_cache, model_forward
-
-    cache = DynamicCache(config=model.config.get_text_config(decoder=True))
-    model_forward(model, prefix, cache, 1)
-    length = prefix.shape[1]
-
-    def call(n):
-        model_forward(model, prefix[:, -1:].repeat(1, n), cache, n)
-        crop_cache(cache, length)
-
-    seconds = interleaved_medians([lambda n=n: call(n) for n in range(1, max_tokens + 1)], repeats,
-                                  clock=device_clock(*model_devices(model)))
-    return dict(zip(range(1, max_tokens + 1), seconds))
+    return measure_costs(model, None, None, prefix, max_tokens, repeats).target_forward
 
 
 def measure_device(shapes, settings=SETTINGS, *, device="cuda", dtype=torch.bfloat16, rows: int = 16,
                    prefixes=(37, 256), repeats: int = 5, log=print) -> dict:
     """For each shape and setting: row agreement and the cost curve (see the module's docstring). Returns
     `{"shapes": {shape: {setting: {"agreement": {prefix: {k: diff}}, "curve_ms": {k: ms}, "exact": bool}}}}`."""
-    from ..costs import device_name
+    from ..costs import device_name, fixed_prefix
     from ..exact_attention import exact_candidates, undo_exact
     from ..fixed_rows import row_agreement
 
@@ -90,7 +77,6 @@ def measure_device(shapes, settings=SETTINGS, *, device="cuda", dtype=torch.bflo
     for shape in shapes:
         t0 = time.perf_counter()
         model = random_model(shape, dtype, device)
-        vocab = model.config.vocab_size
         attention = model.config._attn_implementation
         candidates = exact_candidates(rows)
         results[shape] = {"build_seconds": time.perf_counter() - t0}
@@ -99,11 +85,9 @@ def measure_device(shapes, settings=SETTINGS, *, device="cuda", dtype=torch.bflo
                 candidates[setting](model)
             agreement = {}
             for length in prefixes:
-                prefix = (torch.arange(length) * 7919 % vocab).view(1, -1)
-                agreement[str(length)] = {str(k): v for k, v in
-                                          row_agreement(model, prefix, sizes=range(1, rows + 1)).items()}
-            prefix = (torch.arange(max(prefixes)) * 7919 % vocab).view(1, -1).to(device)
-            curve = forward_curve(model, prefix, rows, repeats)
+                agreement[str(length)] = {str(k): v for k, v in row_agreement(
+                    model, fixed_prefix(model, length), sizes=range(1, rows + 1)).items()}
+            curve = forward_curve(model, fixed_prefix(model, max(prefixes)), rows, repeats)
             exact = all(v == 0.0 for per_prefix in agreement.values() for v in per_prefix.values())
             results[shape][setting] = dict(agreement=agreement, exact=exact,
                                            curve_ms={str(k): 1000 * s for k, s in curve.items()})

@@ -53,7 +53,8 @@ def measure_space(models, prompt: str, *, max_new_tokens: int = 128, rounds: int
         out = GenerationMixin.generate(models.target, ids, **settings)
         return (out.shape[1] - ids.shape[1]) / (time.perf_counter() - start)
 
-    def outside_threaded() -> float:
+    def streamed(run_on) -> float:
+        """The call with the Space's streamer, handed to `run_on` (which runs it on some thread and waits)."""
         side, result = Side("target"), {}
 
         def run():
@@ -61,23 +62,15 @@ def measure_space(models, prompt: str, *, max_new_tokens: int = 128, rounds: int
             GenerationMixin.generate(models.target, ids, streamer=_Streamer(side, []), **settings)
             result["rate"] = len(side.tokens) / (time.perf_counter() - start)
 
+        run_on(run)
+        return result["rate"]
+
+    def on_new_thread(run):
         thread = threading.Thread(target=run)
         thread.start()
         thread.join()
-        return result["rate"]
 
     worker = GenerationWorker()  # a long-lived thread of its own, as the Space's
-
-    def outside_worker() -> float:
-        side, result = Side("target"), {}
-
-        def run():
-            start = time.perf_counter()
-            GenerationMixin.generate(models.target, ids, streamer=_Streamer(side, []), **settings)
-            result["rate"] = len(side.tokens) / (time.perf_counter() - start)
-
-        worker.submit(run).wait()
-        return result["rate"]
 
     demo = build_demo(ModelHolder(lambda progress: models))
     port = _free_port()
@@ -87,8 +80,8 @@ def measure_space(models, prompt: str, *, max_new_tokens: int = 128, rounds: int
                "space: target alone": [], "space: method": [], "space: speedup shown": []}
     try:
         for round_ in range(rounds + 1):
-            rates = {"outside": outside(), "outside, thread + streamer": outside_threaded(),
-                     "outside, long-lived thread + streamer": outside_worker()}
+            rates = {"outside": outside(), "outside, thread + streamer": streamed(on_new_thread),
+                     "outside, long-lived thread + streamer": streamed(lambda run: worker.submit(run).wait())}
             _, target_stats, _, method_stats, _, _ = client.predict(
                 prompt, max_new_tokens, "greedy", 0.7, method, 3, api_name="/compare")
             rates["space: target alone"] = _rate(target_stats)

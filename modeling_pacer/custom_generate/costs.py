@@ -86,25 +86,30 @@ def interleaved_medians(fns: list, repeats: int, clock=time.perf_counter) -> lis
 @torch.no_grad()
 def measure_costs(target, draft, head, input_ids: torch.Tensor, max_tokens: int, repeats: int = 5) -> CostModel:
     """Time forwards after a cached `input_ids` prefix `(1, L)`: the target for 1..max_tokens input
-    tokens, the draft for one, the head over a `max_tokens - 1` draft. Every tensor made here follows the
-    device and dtype of the model that reads it, and the clock waits for those devices ([`device_clock`])."""
+    tokens, the draft for one (none: `draft` None, its cost 0), the head over a `max_tokens - 1` draft. Every tensor
+    made here follows the device and dtype of the model that reads it, and the clock waits for those devices
+    ([`device_clock`])."""
     def after_prefix(model):
         cache = DynamicCache(config=model.config)
         model_forward(model, input_ids, cache, 1)
         return cache
 
-    target_cache, draft_cache = after_prefix(target), after_prefix(draft)
+    target_cache = after_prefix(target)
     prefix = input_ids.shape[1]
 
     def target_step(n):
         model_forward(target, input_ids[:, -1:].repeat(1, n), target_cache, n)
         crop_cache(target_cache, prefix)
 
-    def draft_step():
-        model_forward(draft, input_ids[:, -1:], draft_cache, 1)
-        crop_cache(draft_cache, prefix)
+    fns = [lambda n=n: target_step(n) for n in range(1, max_tokens + 1)]
+    if draft is not None:
+        draft_cache = after_prefix(draft)
 
-    fns = [lambda n=n: target_step(n) for n in range(1, max_tokens + 1)] + [draft_step]
+        def draft_step():
+            model_forward(draft, input_ids[:, -1:], draft_cache, 1)
+            crop_cache(draft_cache, prefix)
+
+        fns.append(draft_step)
     if head is not None:
         length = max(1, min(max_tokens - 1, head.config.max_draft_length))  # the longest draft it reads
         # as the loop hands them: the draft's hidden states in the head's dtype, features in float32, on its device
@@ -114,7 +119,8 @@ def measure_costs(target, draft, head, input_ids: torch.Tensor, max_tokens: int,
         fns.append(lambda: head.acceptance_probabilities(hidden, draft_features=features))
     seconds = interleaved_medians(fns, repeats, clock=device_clock(*model_devices(target, draft, head)))
     costs = dict(zip(range(1, max_tokens + 1), seconds))
-    return CostModel(costs, seconds[max_tokens], seconds[max_tokens + 1] if head is not None else 0.0)
+    rest = iter(seconds[max_tokens:])
+    return CostModel(costs, next(rest) if draft is not None else 0.0, next(rest) if head is not None else 0.0)
 
 
 def fixed_prefix(model, tokens: int = 128, *others) -> torch.Tensor:

