@@ -437,3 +437,24 @@ def test_the_default_pair_runs_its_best_measured_setting():
     assert head.name == spec.head and config.draft_quantization == spec.quantize_draft
     assert (config.stopping_rule, config.throughput_estimate, config.sampling_stopping_rule) == ("throughput", "draft", None)
     assert default_head_path("no/such-pair") is None
+
+
+def test_costs_repeat_reports_each_fresh_curve(tiny_folder, tmp_path, monkeypatch):
+    """`pacer-bench costs --repeat N`: N fresh curves in a row beside the cached one, each curve's k/1 ratios."""
+    from modeling_pacer import costs as costs_module
+    from modeling_pacer.benchmarks.cli import main
+
+    monkeypatch.setenv("PACER_CACHE", str(tmp_path / "cache"))
+    fresh = []
+
+    measured = costs_module.measure_costs
+    monkeypatch.setattr(costs_module, "measure_costs", lambda *a: fresh.append(a) or measured(*a[:5], 1))
+    argv = ["costs", "--target", str(tiny_folder), "--draft", str(tiny_folder), "--dtypes", "float32",
+            "--max-tokens", "8", "--repeat", "3", "--out", str(tmp_path / "out")]
+    assert main(argv) == 0
+    saved = json.loads((tmp_path / "out" / "costs.json").read_text())
+    ratios = saved["repeats"]["float32 exact"]
+    assert len(ratios) == 3 and all(sorted(r) == ["4", "8"] and all(v > 0 for v in r.values()) for r in ratios)
+    assert sum(1 for a in fresh if a[1] is None) == 3  # three fresh curves of the target alone, beside the cached one
+    table = (tmp_path / "out" / "costs.md").read_text()
+    assert "| float32 exact, curve | 4 / 1 | 8 / 1 |" in table and "| median |" in table

@@ -17,7 +17,6 @@ import argparse
 import fnmatch
 import json
 import re
-import shlex
 import sys
 from pathlib import Path
 
@@ -27,11 +26,13 @@ from modeling_pacer.pairs import PairArguments, add_pair_arguments
 from modeling_pacer.prompts import DATASETS
 from modeling_pacer.resources import ensure_writable_folder, portable_path
 
+from .provenance import run_meta
+
 # `--quick`: the 30-prompt benchmark's methods and length on its first prompt of each dataset, the shortest run
 # that reproduced that benchmark's ranking (at 32 tokens the prompt's prefill, the same for every method, hides it)
 QUICK_METHODS = ["target", "hf-assisted", "fixed-4", "svip", "specdec++", "pacer"]
 QUICK_NEW_TOKENS = 96
-COMMANDS = ("run", "replay", "merge", "costs", "agreement", "draft-agreement", "device", "space")
+COMMANDS = ("run", "replay", "merge", "breakdown", "paired", "costs", "agreement", "draft-agreement", "device", "space")
 
 
 def _positive(text: str) -> int:
@@ -88,6 +89,18 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("--methods", nargs="+", help="only these methods (exact names), e.g. those every run measured")
     _add_output(merge, "bench-out")
 
+    breakdown = sub.add_parser("breakdown", help="where each method's time went in a run: prefills, the other "
+                               "forwards of each model, the rest; decoding alone against the target alone")
+    breakdown.add_argument("results", metavar="RESULTS", help="a results.json of `pacer-bench run` or `merge`")
+    _add_output(breakdown, "breakdown-out")
+
+    paired = sub.add_parser("paired", help="one method against others, paired per prompt: the ratio of summed seconds "
+                            "with its 95%% bootstrap interval over prompts")
+    paired.add_argument("results", metavar="RESULTS", nargs="+", help="results.json files (each compared on its own)")
+    paired.add_argument("--method", default="pacer", help="the method compared (default: pacer)")
+    paired.add_argument("--against", nargs="+", required=True, help="the methods it is compared with")
+    _add_output(paired, "paired-out")
+
     costs = sub.add_parser("costs", help="measure this machine's cost curves (target verification of 1..n tokens, "
                            "draft, head) for one or more target dtypes, cached, and plot them")
     add_pair_arguments(costs)
@@ -104,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also split the time of a target forward of 1 and 8 tokens and a draft step between linear "
                             "layers, attention and the rest, beside the memory floor (weight bytes / this host's "
                             "bandwidth), measured now (not cached)")
+    costs.add_argument("--repeat", type=_positive, default=1,
+                       help="also measure this many fresh curves in a row (not cached) and report each curve's cost of "
+                            "4, 8 and 16 tokens over one, with the medians: how much one curve of this host varies")
     costs.add_argument("--threads", type=_positive, help="torch CPU threads (default: torch's choice)")
     _add_output(costs, "costs-out")
 
@@ -168,6 +184,15 @@ def validate(args) -> None:
 
     from .methods import all_methods, select_methods
 
+    if args.command in ("breakdown", "paired"):  # every file readable before anything is written
+        paths = [args.results] if args.command == "breakdown" else args.results
+        files = {path: _read_results(path) for path in paths}
+        if args.command == "paired":
+            for path, data in files.items():
+                methods = {r["method"] for r in data["records"]}
+                for name in [args.method, *args.against]:
+                    if name not in methods:
+                        raise ValueError(f"{path} has no method {name!r}; it has {sorted(methods)}")
     if args.command == "space":
         from importlib.util import find_spec
 
@@ -239,7 +264,8 @@ def validate(args) -> None:
                 raise ValueError("--record-traces follows the target's greedy output: run it without --do-sample.")
         elif args.temperature != 1.0:
             raise ValueError(f"--temperature {args.temperature} without --do-sample: greedy decoding has no temperature.")
-    for path in getattr(args, "traces", None) or getattr(args, "results", None) or []:
+    files = getattr(args, "traces", None) or getattr(args, "results", None) or []
+    for path in [files] if isinstance(files, str) else files:
         if not Path(path).is_file():
             raise ValueError(f"{path}: no such file.")
     ensure_writable_folder(Path(args.out))
@@ -319,7 +345,7 @@ def run(args) -> dict:
                                    sampling=sampling_settings(args.temperature) if args.do_sample else None, seed=args.seed,
                                    failures=failures)
     oracle_rows = oracle_records(traces, costs, args.oracle_max_draft, records)
-    meta = dict(command="pacer-bench " + " ".join(shlex.quote(a) for a in sys.argv[1:]), pair=pair.name,
+    meta = run_meta(args.argv, pair=pair.name,
                 head=portable_path(args.head), max_new_tokens=args.max_new_tokens, threads=torch.get_num_threads(),
                 quantize_draft=args.quantize_draft, aligned_draft=pair.aligned_draft, quantize_target=pair.quantize_target,
                 draft_vocab=args.draft_vocab, dtype=str(pair.dtype).removeprefix("torch."), exact=pair.exact,
@@ -369,11 +395,23 @@ def run_replay(args) -> dict:
     lines = ["| method | replayed speedup |", "|---|---|"] + [f"| {r['method']} | {r['replayed_speedup']:.2f}x |" for r in rows]
     print("\n".join(lines))
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    meta = dict(command="pacer-bench " + " ".join(shlex.quote(a) for a in sys.argv[1:]), traces=len(recorded),
+    meta = run_meta(args.argv, traces=len(recorded),
                 costs=[c.to_dict() for c in {id(c): c for _, c in recorded}.values()])
     (Path(args.out) / "replay.json").write_text(json.dumps(dict(rows=rows, meta=meta), indent=1))
     (Path(args.out) / "replay.md").write_text(f"Command: `{meta['command']}`\n\n" + "\n".join(lines) + "\n")
     return dict(rows=rows)
+
+
+def _repeat_table(repeats: dict[str, list[dict[int, float]]]) -> list[str]:
+    import statistics
+
+    lines = []
+    for label, ratios in repeats.items():
+        sizes = list(ratios[0])
+        lines += [f"| {label}, curve | " + " | ".join(f"{k} / 1" for k in sizes) + " |", "|---|" + "---|" * len(sizes)]
+        lines += [f"| {i + 1} | " + " | ".join(f"{r[k]:.2f}x" for k in sizes) + " |" for i, r in enumerate(ratios)]
+        lines.append("| median | " + " | ".join(f"{statistics.median(r[k] for r in ratios):.2f}x" for k in sizes) + " |")
+    return lines
 
 
 def run_costs(args) -> dict:
@@ -381,13 +419,14 @@ def run_costs(args) -> dict:
     from modeling_pacer.pairs import pair_from_args
     from modeling_pacer.pairs.loading import TARGET_QUANTIZATIONS
 
-    from ..costs import describe_host, fixed_prefix, host_costs, measure_bandwidth, time_split, weight_bytes
+    from ..costs import fixed_prefix, host_costs, measure_bandwidth, measure_costs, time_split, weight_bytes
 
     head = _setup(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     curves = {}
     splits = {}
+    repeats = {}  # label -> each fresh curve's k-token cost over its one-token cost
     bandwidth = measure_bandwidth() if args.split else None
     quantize_target = args.quantize_target  # for the settings that are plain dtypes
     for dtype, exact in [(d, e) for d in args.dtypes for e in ((True, False) if args.compare_exact else (args.exact,))]:
@@ -405,14 +444,20 @@ def run_costs(args) -> dict:
                 split = time_split(model, fixed_prefix(model), tokens=tokens)
                 split.update(tokens=tokens, weight_bytes=weight_bytes(model))
                 splits[label][f"{role}, {tokens} token{'s' if tokens > 1 else ''}"] = split
+        if args.repeat > 1:
+            prefix, sizes = fixed_prefix(pair.target), [k for k in (4, 8, 16) if k <= args.max_tokens]
+            repeats[label] = []
+            for _ in range(args.repeat):
+                fresh = measure_costs(pair.target, None, None, prefix, max(sizes, default=1))
+                repeats[label].append({k: fresh.target(k) / fresh.target(1) for k in sizes})
         print(f"pacer-bench costs: {label}: target " + ", ".join(
             f"{n}: {1000 * t:.0f}" for n, t in costs.target_forward.items()) + f" ms; draft {1000 * costs.draft_forward:.0f} ms",
             file=sys.stderr)
         del pair
-    meta = dict(command="pacer-bench " + " ".join(shlex.quote(a) for a in sys.argv[1:]), host=describe_host(),
-                head=portable_path(args.head), quantize_draft=args.quantize_draft, draft_vocab=args.draft_vocab,
+    meta = run_meta(args.argv, head=portable_path(args.head), quantize_draft=args.quantize_draft, draft_vocab=args.draft_vocab,
                 bandwidth=bandwidth)
-    (out / "costs.json").write_text(json.dumps(dict(curves=curves, splits=splits, meta=meta), indent=1, default=str))
+    (out / "costs.json").write_text(json.dumps(dict(curves=curves, splits=splits, repeats=repeats, meta=meta), indent=1,
+                                               default=str))
     tokens = range(1, args.max_tokens + 1)
     lines = [f"Command: `{meta['command']}` (host CPU: {meta['host']['cpu']}, {meta['host']['threads']} threads)", "",
              "Milliseconds per forward after a cached 128-token prefix (median of 5):", "",
@@ -434,6 +479,10 @@ def run_costs(args) -> dict:
                 lines.append(f"| {label} | {role} | {t['weight_bytes'] / 1e6:.0f} | {1000 * floor:.1f} | "
                              + " | ".join(f"{1000 * t[k]:.1f}" for k in ("linear", "attention", "other", "total"))
                              + f" | {t['total'] / floor:.2f}x |")
+    if repeats:
+        lines += ["", f"{args.repeat} fresh curves in a row (the target alone, interleaved sizes, median of 5 each): "
+                  "each curve's cost of k tokens over its cost of one, and the median over the curves:", ""]
+        lines += _repeat_table(repeats)
     (out / "costs.md").write_text("\n".join(lines) + "\n")
     files = [out / "costs.json", out / "costs.md"]
     try:
@@ -482,7 +531,7 @@ def run_agreement(args) -> dict:
         rows.append(dict(dataset=dataset, prompt_id=prompt_id,
                          **greedy_agreement(reference, pair.target, input_ids, args.max_new_tokens)))
     summary = summarize(rows)
-    meta = dict(command="pacer-bench " + " ".join(shlex.quote(a) for a in sys.argv[1:]), pair=pair.name,
+    meta = run_meta(args.argv, pair=pair.name,
                 model=pair.setting, reference="bfloat16" + (" exact" if args.exact else ""),
                 max_new_tokens=args.max_new_tokens, threads=torch.get_num_threads(), torch=torch.__version__)
     out = Path(args.out)
@@ -534,7 +583,7 @@ def run_draft_agreement(args) -> dict:
                                      **draft_agreement(draft, input_ids, output)))
                 bar.update(1)
     summary = summarize_drafts(rows)
-    meta = dict(command="pacer-bench " + " ".join(shlex.quote(a) for a in sys.argv[1:]), pair=pair.name,
+    meta = run_meta(args.argv, pair=pair.name,
                 target=pair.setting, draft_quantization=args.quantize_draft, aligned_draft=aligned,
                 max_new_tokens=args.max_new_tokens, threads=torch.get_num_threads(), torch=torch.__version__)
     out = Path(args.out)
@@ -568,8 +617,7 @@ def run_merge(args) -> dict:
     methods = [sorted({r["method"] for r in part["records"]}) for part in parts]
     if any(m != methods[0] for m in methods):
         raise ValueError(f"--merge: the runs compare different methods: {methods}; keep the common ones with --methods")
-    meta = dict(command="pacer-bench " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
-                parts=[part["meta"] for part in parts],
+    meta = run_meta(args.argv, parts=[part["meta"] for part in parts],
                 max_new_tokens=parts[0]["meta"].get("max_new_tokens"))
     result = write_report(Path(args.out), [r for part in parts for r in part["records"]],
                           [r for part in parts for r in part["oracle"]], meta)
@@ -577,9 +625,54 @@ def run_merge(args) -> dict:
     return result
 
 
+def _read_results(path: str) -> dict:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path}: not a readable results.json ({error})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("records"), list):
+        raise ValueError(f"{path}: no `records` list: not a results.json of `pacer-bench run`")
+    return data
+
+
+def run_breakdown(args) -> dict:
+    """Where each method's time went in one run (`analyses.time_breakdown`)."""
+    from .analyses import breakdown_table, time_breakdown
+
+    rows = time_breakdown(_read_results(args.results)["records"])
+    out = Path(args.out)
+    meta = run_meta(args.argv, results=portable_path(args.results))
+    table = breakdown_table(rows)
+    (out / "breakdown.json").write_text(json.dumps(dict(rows=rows, meta=meta), indent=1))
+    (out / "breakdown.md").write_text(f"Command: `{meta['command']}`\n\n" + table)
+    print(table)
+    return dict(rows=rows)
+
+
+def run_paired(args) -> dict:
+    """`--method` against each of `--against`, paired per prompt, in each results file."""
+    from .analyses import paired_comparison, paired_table
+
+    rows = []
+    for path in args.results:
+        records = _read_results(path)["records"]
+        for other in args.against:
+            rows.append(dict(results=portable_path(path), **paired_comparison(records, args.method, other)))
+    out = Path(args.out)
+    meta = run_meta(args.argv)
+    sections = [f"Command: `{meta['command']}`", ""]
+    for path in args.results:
+        sections += [f"{portable_path(path)}:", "", paired_table([r for r in rows if r["results"] == portable_path(path)])]
+    (out / "paired.json").write_text(json.dumps(dict(rows=rows, meta=meta), indent=1))
+    (out / "paired.md").write_text("\n".join(sections))
+    print("\n".join(sections[2:]))
+    return dict(rows=rows)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     """Parse and check everything that can be checked without a model; `run` is the default command."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    typed = list(argv)  # as the user typed it (recorded in the results), before `run` is made explicit
     if not argv or argv[0] not in COMMANDS and argv[0] not in ("-h", "--help"):
         argv = ["run", *argv]
     parser = build_parser()
@@ -587,6 +680,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         if old in argv:  # the flags of earlier versions
             parser.error(f"{old} is now a command of its own: pacer-bench {command} FILE... [options]")
     args = parser.parse_args(argv)
+    args.argv = typed
     apply_presets(args)
     try:
         validate(args)
@@ -609,7 +703,7 @@ def _run_device(args) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    result = {"run": run, "replay": run_replay, "merge": run_merge, "costs": run_costs,
+    result = {"run": run, "replay": run_replay, "merge": run_merge, "breakdown": run_breakdown, "paired": run_paired, "costs": run_costs,
               "agreement": run_agreement, "draft-agreement": run_draft_agreement, "device": _run_device,
               "space": _run_space}[args.command](args)
     lost = [r for r in result.get("summary", []) if r.get("dataset") == "all" and r.get("mismatches")]

@@ -17,12 +17,13 @@ seconds, which is how CI tests it.
 from __future__ import annotations
 
 import json
-import shlex
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+from .provenance import run_meta
 
 # the published Qwen2.5 configurations' shapes (the Coder models share them); vocabularies as their configs give them
 QWEN25_SHAPES = {
@@ -129,7 +130,7 @@ def run_device(args) -> dict:
     report = measure_device(args.shapes, args.settings, device=args.device, dtype=dtype, rows=args.rows,
                             prefixes=tuple(args.prefixes), repeats=args.repeats,
                             log=lambda line: print(line, file=sys.stderr, flush=True))
-    report["command"] = "pacer-bench " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    report.update(run_meta(getattr(args, "argv", None)))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "device.json").write_text(json.dumps(report, indent=1))

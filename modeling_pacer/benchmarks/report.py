@@ -5,6 +5,8 @@ import random
 from collections import Counter, defaultdict
 from pathlib import Path
 
+from ..hub_cards import format_speedup, lossless_label
+
 
 def _share(rs: list[dict], key: str, seconds: float) -> float | None:
     """The fraction of `seconds` spent in `key` (e.g. the target's forwards), or None where a record
@@ -131,25 +133,9 @@ def _fmt(value, pattern: str) -> str:
     return "–" if value is None else format(value, pattern)
 
 
-def format_speedup(row: dict) -> str:
-    """A summary row's speedup, with its 95% interval where it has one: `1.56x (1.46-1.65)`."""
-    interval = row.get("speedup_ci")
-    return f"{row['speedup']:.2f}x" + ("" if interval is None else f" ({interval[0]:.2f}-{interval[1]:.2f})")
-
-
 def _time_shares(row: dict) -> str:
     return " / ".join(_fmt(row.get(key), pattern) for key, pattern in
                       [("target_share", ".0%"), ("draft_share", ".0%"), ("head_share", ".1%"), ("other_share", ".0%")])
-
-
-def lossless_label(row: dict, emphasis: str = "") -> str:
-    """A summary row's lossless column: "yes", a mismatch count (wrapped in `emphasis`, e.g. Markdown bold), or
-    why outputs were not compared (another function's own numerics; sampled draws)."""
-    if row.get("own_numerics"):
-        return "own numerics (n/a)"
-    if row.get("sampled"):
-        return "sampled (in distribution: tests)"
-    return "yes" if row["mismatches"] == 0 else f"{emphasis}MISMATCH {row['mismatches']}/{row['prompts']}{emphasis}"
 
 
 def markdown_table(summary: list[dict]) -> str:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import re
-import shlex
 import socket
 import statistics
 import sys
@@ -117,7 +116,7 @@ def markdown(report: dict) -> str:
 
 
 def run_space(args) -> dict:
-    from ..costs import describe_host
+    from .provenance import run_meta
     from ..demo import EXAMPLES, load_models
 
     import torch
@@ -127,7 +126,7 @@ def run_space(args) -> dict:
     models = load_models()
     report = measure_space(models, EXAMPLES[args.prompt], max_new_tokens=args.max_new_tokens, rounds=args.rounds,
                            method=args.method, log=lambda line: print(line, file=sys.stderr, flush=True))
-    report.update(command="pacer-bench " + " ".join(shlex.quote(a) for a in sys.argv[1:]), host=describe_host())
+    report.update(run_meta(getattr(args, "argv", None)))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "space.json").write_text(json.dumps(report, indent=1))

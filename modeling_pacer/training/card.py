@@ -29,7 +29,7 @@ def bench_setting(bench: dict) -> str:
 
 
 def _speed_table(bench: dict) -> str:
-    from ..benchmarks.report import format_speedup, lossless_label
+    from ..hub_cards import format_speedup, lossless_label
 
     rows = [r for r in bench["summary"] if r["dataset"] == "all"]
     lines = ["| method | speedup over the target alone (95% CI over prompts) | tokens/s | τ (tokens / target forward) "
