@@ -26,7 +26,9 @@ from .custom_generate.policies import (
     Pacer,
     SpecDecPP,
     StoppingPolicy,
+    head_policy,
     make_policy,
+    policy_from_dict,
 )
 from .costs import CostModel, host_costs
 from .exact_attention import make_exact  # importing registers attn_implementation="pacer_exact"
@@ -69,6 +71,8 @@ __all__ = [
     "generate",
     "host_costs",
     "make_exact",
+    "head_policy",
     "make_policy",
+    "policy_from_dict",
     "pacer_decoding",
 ]

@@ -354,10 +354,15 @@ def test_replay_cli_over_several_trace_files(setup, tmp_path):
             result = replay(all_methods(head_config=setup.head.config)[name].policy(), trace, costs, setup.head)
             by_hand[name][0] += result.target_alone_seconds
             by_hand[name][1] += result.seconds
-    main(["replay", *files, "--head", str(tmp_path / "head"), "--methods", "fixed-2", "pacer", "--out", str(tmp_path / "r")])
+    main(["replay", *files, "--head", str(tmp_path / "head"), "--methods", "fixed-2", "pacer", "--out", str(tmp_path / "r"),
+          "--rules", '{"name": "fixed", "gamma": 2}', '{"name": "throughput", "calibration": 4.0, "max_draft_length": 8}'])
     rows = {r["method"]: r["replayed_speedup"] for r in json.loads((tmp_path / "r" / "replay.json").read_text())["rows"]}
     for name, (alone, seconds) in by_hand.items():
         assert rows[name] == pytest.approx(alone / seconds)
+    assert rows["fixed(gamma=2)"] == rows["fixed-2"]  # a rule given by its settings replays as the named method
+    assert "throughput(calibration=4.0, max_draft_length=8)" in rows
+    with pytest.raises(SystemExit):  # a setting the rule does not have: refused by the parser, naming it
+        main(["replay", *files, "--rules", '{"name": "fixed", "gama": 2}', "--out", str(tmp_path / "bad")])
     assert rows["oracle"] >= max(rows["fixed-2"], rows["pacer"])
     assert (tmp_path / "r" / "replay.md").exists()
 

@@ -42,6 +42,28 @@ def _positive(text: str) -> int:
     return value
 
 
+def _rule_settings(text: str) -> dict:
+    """A `--rules` value: a rule's settings as JSON, checked as far as can be without a cost curve or a head."""
+    from modeling_pacer.custom_generate.policies import policy_from_dict
+
+    try:
+        settings = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON ({error}): {text!r}") from None
+    try:
+        policy_from_dict(settings, costs=_SettingsCheck())
+    except (ValueError, TypeError) as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return settings
+
+
+class _SettingsCheck:
+    """A cost model's stand-in while `--rules` settings are checked (the traces carry the real ones)."""
+
+    def step(self, drafted: int, head_calls: int = 0) -> float:
+        return 1.0
+
+
 def _add_output(p: argparse.ArgumentParser, default: str) -> None:
     p.add_argument("--out", default=default, help="output folder (created; checked writable before any work)")
 
@@ -81,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     replay = sub.add_parser("replay", help="evaluate stopping rules on recorded traces, without the models")
     replay.add_argument("traces", metavar="FILE", nargs="+", help="trace files from `pacer-bench run --record-traces`")
     _add_method_choice(replay)
+    replay.add_argument("--rules", nargs="+", type=_rule_settings, default=[], metavar="JSON",
+                        help="also replay these rules, each as its settings (StoppingPolicy.to_dict()), e.g. "
+                             "'{\"name\": \"throughput\", \"calibration\": 4.0}': variants of a rule beside the methods")
     _add_output(replay, "replay-out")
 
     merge = sub.add_parser("merge", help="one report from runs over disjoint prompts (e.g. one run per dataset)")
@@ -363,6 +388,17 @@ def run(args) -> dict:
     return result
 
 
+def _rule_method(settings: dict):
+    """A `--rules` entry as a replayable method, named by its settings."""
+    from modeling_pacer.custom_generate.policies import policy_from_dict
+
+    from .methods import Method
+
+    label = settings["name"] + "(" + ", ".join(f"{k}={v}" for k, v in settings.items() if k != "name") + ")"
+    needs_head = policy_from_dict(settings, costs=_SettingsCheck()).needs_head
+    return Method(label, "pacer", lambda costs: policy_from_dict(settings, costs), needs_head=needs_head, needs_costs=True)
+
+
 def run_replay(args) -> dict:
     from ..replay import load_traces, oracle, replay
 
@@ -375,6 +411,10 @@ def run_replay(args) -> dict:
         recorded += [(trace, saved.costs) for trace in saved.traces]
     head = _load_head(args.head)
     methods = [m for m in _available_methods(args, head, announce=True) if m.policy is not None]
+    rules = [_rule_method(settings) for settings in args.rules]
+    if head is None and any(rule.needs_head for rule in rules):
+        raise ValueError(f"--rules: {[r.name for r in rules if r.needs_head]} read a head: pass --head.")
+    methods += rules
     # a method that may draft past the recorded drafts cannot be replayed on them: skipped, and said so
     recorded_draft = min(trace.token_probs.shape[1] for trace, _ in recorded) if recorded else 0
     longer = {m.name: m.make_policy(recorded[0][1]).max_draft_length for m in methods} if recorded else {}

@@ -30,7 +30,7 @@ from transformers.cache_utils import BaseQuantizedLayer, DynamicLayer, LinearAtt
 from transformers.generation.utils import GenerateDecoderOnlyOutput, _speculative_sampling
 
 from .costs import curve_disagrees, fixed_prefix, measure_costs
-from .policies import DraftView, ExpectedThroughput, StoppingPolicy, head_rule, make_policy
+from .policies import DraftView, ExpectedThroughput, StoppingPolicy, head_policy, make_policy
 from .steps import CACHE_NAMES, cache_kwargs, crop_cache, model_forward  # noqa: F401 - the loop's step functions
 
 
@@ -490,16 +490,30 @@ def _check_policy(policy, head) -> None:
 
 
 def _cost_inputs(stopping_policy, head, do_sample) -> tuple | None:
-    """`(head, max_tokens)` of the cost curve this call's rule needs measured for it, or None: the head's default
-    rule when it is cost-aware (the head's cost in the curve), or `stopping_policy="throughput"` named without costs
-    (the rule on the draft's probability, no head call in it)."""
-    if stopping_policy is None and head is not None and head_rule(head.config, do_sample)[0] == "throughput":
-        return head, head.config.max_draft_length + 1
-    if isinstance(stopping_policy, str) and stopping_policy == ExpectedThroughput.name:
-        return None, _THROUGHPUT_MAX_DRAFT + 1
-    return None
+    """`(head, max_tokens)` of the cost curve this call's rule needs measured for it, or None: a cost-aware rule
+    named without costs, as the head's default (the head's cost in the curve where the rule reads it),
+    `stopping_policy="throughput"` (the rule on the draft's probability, no head call in it) or its settings."""
+    settings = stopping_policy
+    if stopping_policy is None and head is not None:
+        settings = head_policy(head.config, do_sample)
+    elif stopping_policy == ExpectedThroughput.name:
+        settings = dict(name=ExpectedThroughput.name)
+    if isinstance(stopping_policy, dict):  # every setting checked before anything is measured
+        _check_policy(make_policy(stopping_policy, costs=_UNMEASURED), head)
+    if not isinstance(settings, dict) or settings.get("name") != ExpectedThroughput.name:
+        return None
+    reads_head = settings.get("estimate", "draft") != "draft"
+    return (head if reads_head else None), settings.get("max_draft_length", _THROUGHPUT_MAX_DRAFT) + 1
 
 
+class _Unmeasured:
+    """Stands for a cost model while a rule's settings are checked, before the curve is measured."""
+
+    def step(self, drafted: int, head_calls: int = 0) -> float:
+        raise RuntimeError("the cost model is not measured yet")
+
+
+_UNMEASURED = _Unmeasured()
 _THROUGHPUT_MAX_DRAFT = inspect.signature(ExpectedThroughput).parameters["max_draft_length"].default
 
 
@@ -705,7 +719,7 @@ def generate(*args, model=None, **kwargs):
     """`model.generate` with PACER: `generate(model, ids, assistant_model=draft, pacer_head=head, ...)`.
 
     The arguments are `GenerationMixin.generate`'s, plus `pacer_head` (a `PacerHead`),
-    `stopping_policy` (a [`StoppingPolicy`] or a name from `POLICIES`; default the head's own rule for the mode, its
+    `stopping_policy` (a [`StoppingPolicy`], a name from `POLICIES`, or a rule's settings as `to_dict()` writes them; default the head's own rule for the mode, its
     config's `stopping_rule`, or `sampling_stopping_rule` with `do_sample=True` where the head names one; an instance is copied for the call and left unmodified, the adapted copy is returned as
     `out.pacer_policy` with `return_dict_in_generate=True`). With neither of the two this is plain `GenerationMixin.generate` (transformers' own
     assisted generation when `assistant_model` is given). Otherwise transformers prepares everything

@@ -14,6 +14,7 @@ with `policy.reset()` once at the start. `generate` runs this on its own copy of
 This file is published with `generate.py` as a `custom_generate` folder: it imports only torch.
 """
 
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -70,6 +71,17 @@ class StoppingPolicy:
     def update(self, draft: DraftView | None, num_accepted: int) -> None:
         """Called after verification with the step's draft (`None` if nothing was drafted) and how many
         of its tokens the target accepted."""
+
+    def to_dict(self) -> dict:
+        """The rule as JSON-ready settings: `{"name": ..., <each constructor argument>: value}`, what
+        [`policy_from_dict`] builds it back from. A cost model is this machine's, not the rule's: never included."""
+        params = inspect.signature(type(self)).parameters
+        return {"name": self.name, **{key: getattr(self, key) for key in params if key != "costs"}}
+
+    @classmethod
+    def from_dict(cls, settings: dict, costs=None) -> "StoppingPolicy":
+        """The rule `settings` name (see [`policy_from_dict`])."""
+        return policy_from_dict(settings, costs)
 
     def __repr__(self) -> str:
         params = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
@@ -226,13 +238,8 @@ class Pacer(StoppingPolicy):
     @classmethod
     def from_config(cls, config, **overrides) -> "Pacer":
         """Defaults from a `PacerConfig` (a trained head stores its tuned rule there)."""
-        params = dict(
-            block_size=config.block_size,
-            threshold=config.threshold,
-            growth=config.growth,
-            max_draft_length=config.max_draft_length,
-            first_block_size=getattr(config, "first_block_size", 0),  # absent from heads saved before it existed
-        )
+        params = head_policy(config, rule="blocks")
+        del params["name"]
         params.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**params)
 
@@ -445,6 +452,41 @@ POLICIES: dict[str, type[StoppingPolicy]] = {
 }
 
 
+def policy_from_dict(settings: dict, costs=None) -> StoppingPolicy:
+    """A rule from its `to_dict()` settings: `{"name": <a name in POLICIES>, ...its constructor's arguments}`; `costs`
+    (this machine's cost model) for the cost-aware rule. An unknown name or setting is a `ValueError` naming it."""
+    if not isinstance(settings, dict) or not isinstance(settings.get("name"), str):
+        raise ValueError(f"A stopping rule's settings are a dict with a 'name' (one of {sorted(POLICIES)}), got {settings!r}.")
+    name = settings["name"]
+    if name not in POLICIES:
+        raise ValueError(f"Unknown stopping rule {name!r} in {settings!r}: one of {sorted(POLICIES)}.")
+    cls = POLICIES[name]
+    params = inspect.signature(cls).parameters
+    unknown = sorted(set(settings) - {"name"} - set(params) | ({"costs"} & set(settings)))
+    if unknown:
+        raise ValueError(f"The {name!r} rule has no setting {unknown[0]!r}; its settings: "
+                         f"{sorted(set(params) - {'costs'})}.")
+    kwargs = {k: v for k, v in settings.items() if k != "name"}
+    if "costs" in params:
+        kwargs["costs"] = costs
+    return cls(**kwargs)
+
+
+def head_policy(head_config, do_sample: bool = False, rule: str | None = None) -> dict:
+    """The settings (`to_dict()` form) of a head's default rule for greedy or sampled decoding, as its config gives
+    them (`rule="blocks"`: its block rule, whatever its default); fields absent from heads saved before they existed
+    read as the defaults then."""
+    default, estimate = head_rule(head_config, do_sample)
+    rule = rule or default
+    if rule == "throughput":  # the head read at every token
+        return dict(name=ExpectedThroughput.name, estimate=estimate, max_draft_length=head_config.max_draft_length,
+                    block_size=1, calibration=getattr(head_config, "calibration", None),
+                    draft_nothing=getattr(head_config, "draft_nothing", False))
+    return dict(name=Pacer.name, block_size=head_config.block_size, threshold=head_config.threshold,
+                growth=head_config.growth, max_draft_length=head_config.max_draft_length,
+                first_block_size=getattr(head_config, "first_block_size", 0))
+
+
 def head_rule(head_config, do_sample: bool = False) -> tuple[str, str]:
     """`(stopping_rule, throughput_estimate)` of a head's default rule for greedy or sampled decoding (its config's
     `sampling_*` fields, where set, for sampling); fields absent from heads saved before they existed read as the
@@ -457,30 +499,27 @@ def head_rule(head_config, do_sample: bool = False) -> tuple[str, str]:
     return rule, estimate
 
 
-def make_policy(policy: "str | StoppingPolicy | None", head_config=None, costs=None, do_sample: bool = False) -> StoppingPolicy:
-    """A policy instance from an instance, a name in `POLICIES`, or `None` (the head's default rule for greedy or,
-    with `do_sample`, sampled decoding: PACER's blocks, or the cost-aware rule with `costs`, this machine's cost
-    model, when the head's config says so)."""
+def make_policy(policy: "str | dict | StoppingPolicy | None", head_config=None, costs=None, do_sample: bool = False) -> StoppingPolicy:
+    """A policy instance from an instance, a name in `POLICIES`, settings as `to_dict()` writes them, or `None` (the
+    head's default rule for greedy or, with `do_sample`, sampled decoding: PACER's blocks, or the cost-aware rule with
+    `costs`, this machine's cost model, when the head's config says so)."""
     # duck-typed: a copy of this module loaded as remote code defines its own (equal) classes
     if all(hasattr(policy, attr) for attr in ("begin_step", "stop_reason", "update", "reset", "needs_head")):
         return policy
+    if isinstance(policy, dict):
+        return policy_from_dict(policy, costs)
     if policy is None or policy == Pacer.name:
         if head_config is None:
             raise ValueError("The PACER policy needs a head: pass `pacer_head=PacerHead(...)`.")
-        rule, estimate = head_rule(head_config, do_sample)
-        if policy is None and rule == "throughput":
-            if costs is None:
-                raise ValueError(
-                    "This head's default stopping rule is cost-aware (stopping_rule='throughput') and needs this "
-                    "machine's cost model: pass pacer_costs=modeling_pacer.host_costs(target, draft, head), or choose "
-                    "another rule with stopping_policy=... (e.g. 'pacer' for the paper's block rule)."
-                )
-            return ExpectedThroughput(  # the head read at every token
-                costs, estimate, head_config.max_draft_length,
-                calibration=getattr(head_config, "calibration", None),  # absent from heads saved before they existed
-                draft_nothing=getattr(head_config, "draft_nothing", False),
+        # named "pacer": the paper's block rule with the head's settings, whatever its default
+        settings = head_policy(head_config, do_sample, rule="blocks" if policy == Pacer.name else None)
+        if settings["name"] == ExpectedThroughput.name and costs is None:
+            raise ValueError(
+                "This head's default stopping rule is cost-aware (stopping_rule='throughput') and needs this "
+                "machine's cost model: pass pacer_costs=modeling_pacer.host_costs(target, draft, head), or choose "
+                "another rule with stopping_policy=... (e.g. 'pacer' for the paper's block rule)."
             )
-        return Pacer.from_config(head_config)
+        return policy_from_dict(settings, costs)
     if policy == ExpectedThroughput.name:
         return ExpectedThroughput(costs)  # the cost-aware rule on the draft's probability, the default head's rule
     if isinstance(policy, str) and policy in POLICIES:
