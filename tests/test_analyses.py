@@ -63,3 +63,25 @@ def test_paired_ratio_interval_and_wins(tmp_path):
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(SystemExit):
         main(["breakdown", str(tmp_path / "bad.json"), "--out", str(tmp_path / "no")])
+
+
+def test_every_results_file_records_commit_versions_and_host():
+    """`run_meta`, the `meta` of every pacer-bench results file: the command as typed, the commit pacer runs from (and
+    whether the tree was dirty), the installed versions that decide a result, the host."""
+    import subprocess
+    from importlib import metadata
+    from pathlib import Path
+
+    from modeling_pacer.benchmarks.provenance import run_meta
+
+    meta = run_meta(["run", "--n", "3", "--out", "a b"], pair="toy")
+    assert meta["command"] == "pacer-bench run --n 3 --out 'a b'" and meta["pair"] == "toy"
+    assert meta["versions"]["torch"] == metadata.version("torch")
+    assert meta["versions"]["transformers"] == metadata.version("transformers")
+    assert meta["host"]["threads"] >= 1 and meta["host"]["cpu"]
+    checkout = Path(__file__).resolve().parents[1]
+    head = subprocess.run(["git", "-C", str(checkout), "rev-parse", "HEAD"], capture_output=True, text=True)
+    import modeling_pacer
+
+    if head.returncode == 0 and Path(modeling_pacer.__file__).resolve().is_relative_to(checkout):
+        assert meta["source"]["commit"] == head.stdout.strip() and isinstance(meta["source"]["dirty"], bool)

@@ -104,3 +104,15 @@ def test_links_resolve(path):
 def test_readme_is_a_front_page():
     lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
     assert len(lines) < 300, f"README.md has {len(lines)} lines; move details to docs/"
+
+
+def test_results_are_data_and_the_readme_a_front_page():
+    """benchmarks/ holds results, not code (the analyses are tested pacer-bench commands); the README stays a front page
+    (its figures in docs/results.md)."""
+    import subprocess
+
+    tracked = subprocess.run(["git", "-C", str(ROOT), "ls-files", "benchmarks"], capture_output=True, text=True).stdout
+    if not tracked:  # not a git checkout (an sdist): read the tree
+        tracked = "\n".join(p.relative_to(ROOT).as_posix() for p in (ROOT / "benchmarks").rglob("*"))
+    assert [p for p in tracked.split() if p.endswith(".py")] == []
+    assert len((ROOT / "README.md").read_text(encoding="utf-8").splitlines()) < 200

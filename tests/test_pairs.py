@@ -458,3 +458,4 @@ def test_costs_repeat_reports_each_fresh_curve(tiny_folder, tmp_path, monkeypatc
     assert sum(1 for a in fresh if a[1] is None) == 3  # three fresh curves of the target alone, beside the cached one
     table = (tmp_path / "out" / "costs.md").read_text()
     assert "| float32 exact, curve | 4 / 1 | 8 / 1 |" in table and "| median |" in table
+    assert saved["meta"]["versions"]["torch"] and "source" in saved["meta"]
