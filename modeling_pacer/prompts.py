@@ -147,6 +147,9 @@ _CHECKED: set[tuple] = set()
 
 def _read_jsonl(path: Path, n: int | None) -> list[dict]:
     """The first `n` rows (all when None) of a JSON-lines file (`.gz` too), in file order."""
+    from .extras import require
+
+    require("pairs", "Reading the prompt sets", ("datasets",))
     import datasets
 
     # progress bars would print from library code: off for this read, the caller's setting restored after

@@ -329,6 +329,10 @@ def q4_k_parts(blocks, out_features: int, in_features: int) -> tuple[torch.Tenso
     `(codes, sc, m, d, dmin)`: codes (out, in) in 0..15, sc and m (out, in / 32) 6-bit integers, d and dmin
     (out, in / 256) float32 (the file's float16 values), with `w = d * sc * codes - dmin * m`."""
     import numpy as np
+
+    from .extras import require
+
+    require("pairs", "Reading a GGUF file's 4-bit weights", ("gguf",))
     from gguf.quants import Q4_K
 
     raw = np.ascontiguousarray(np.asarray(blocks, dtype=np.uint8)).reshape(-1, 144)
@@ -417,6 +421,9 @@ def quantize_from_gguf(model: nn.Module, gguf_file: str | os.PathLike, *, other:
 
     Returns how many layers became each kind (`{"int4 (gguf Q4_K)": n, "int8": m, ...}`).
     """
+    from .extras import require
+
+    require("pairs", "Reading a GGUF file's 4-bit weights", ("gguf",))
     from gguf import GGMLQuantizationType, GGUFReader
     from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
 

@@ -16,9 +16,9 @@ import json
 import sys
 from pathlib import Path
 
+from ..extras import MissingExtra, require
 from ..pairs import PairArguments
 from ..resources import ensure_writable_folder
-from .config import PacerAlignConfig, PacerAlignScriptArguments
 
 
 def build_parser():
@@ -28,6 +28,8 @@ def build_parser():
     replaces TrainingArguments' boolean `--push-to-hub` (the trainer's checkpoints) under argparse's
     "resolve" conflict handler."""
     from trl import TrlParser
+
+    from .config import PacerAlignConfig, PacerAlignScriptArguments
 
     parser = TrlParser((PacerAlignConfig, PairArguments, PacerAlignScriptArguments), prog="pacer-align",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -52,6 +54,11 @@ def parse_args(argv: list[str], parser=None) -> tuple:
 
 
 def main(argv=None) -> int:
+    try:
+        require("align", "pacer-align")
+    except MissingExtra as error:
+        print(f"pacer-align: error: {error}", file=sys.stderr)
+        return 2
     from ..pairs import WeightsNotInstalledError
     from ..training.pipeline import TrainingError
     from .pipeline import run

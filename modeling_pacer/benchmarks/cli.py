@@ -24,6 +24,7 @@ import torch
 
 from modeling_pacer.pairs import PairArguments, add_pair_arguments
 from modeling_pacer.prompts import DATASETS
+from modeling_pacer.extras import MissingExtra, require
 from modeling_pacer.resources import ensure_writable_folder, portable_path
 
 from .provenance import run_meta
@@ -219,10 +220,7 @@ def validate(args) -> None:
                     if name not in methods:
                         raise ValueError(f"{path} has no method {name!r}; it has {sorted(methods)}")
     if args.command == "space":
-        from importlib.util import find_spec
-
-        if find_spec("gradio") is None or find_spec("gradio_client") is None:
-            raise ValueError("space drives the Space: it needs gradio (pip install -e '.[demo]')")
+        require("demo", "pacer-bench space (it drives the Space)", ("gradio", "gradio_client", "pandas", "gguf"))
         from modeling_pacer.demo import METHODS
 
         if args.method not in METHODS or args.method == "target alone":
@@ -249,6 +247,12 @@ def validate(args) -> None:
     if args.command == "agreement" and not args.quantize_target:
         raise ValueError("agreement compares a quantized target with its bf16 form: pass --quantize-target int4 "
                          "(or int4+int8, w4a8)")
+    if args.command in ("run", "agreement", "draft-agreement"):
+        require("bench", f"pacer-bench {args.command} (the prompt sets)", ("datasets",))
+    if args.command in ("run", "costs", "agreement", "draft-agreement") and (
+            not args.target or str(args.target).endswith(".gguf") or getattr(args, "quantize_target", None)):
+        require("bench", f"pacer-bench {args.command} on GGUF weights (the default pair's, or --quantize-target)",
+                ("gguf",))
     if args.command in ("run", "costs", "agreement", "draft-agreement"):
         # the names, checked (nothing loads), and the draft setting that runs: the pair's own unless one is named
         args.quantize_draft = PairArguments(args.pair, args.target, args.draft, args.quantize_draft, args.quantize_target,
@@ -724,7 +728,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     apply_presets(args)
     try:
         validate(args)
-    except ValueError as error:
+    except (ValueError, MissingExtra) as error:
         parser.error(str(error))
     return args
 

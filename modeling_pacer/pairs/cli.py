@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from ..extras import MissingExtra, require
 from ..host import disk_error
 from .gguf import converted_ok, ensure_converted, ensure_gguf, part_paths, sha256_file
 from .loading import load_pair, load_tokenizer, tokenizers_match
@@ -146,11 +147,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         spec = get_pair(args.pair)
+        if args.command in ("install", "check"):
+            require("pairs", f"{CLI} {args.command} (the pair's GGUF files)")
         if args.command == "prompts":
             _install_prompts(args)
             return 0
         return {"install": _cmd_install, "check": _cmd_check, "info": _cmd_info}[args.command](spec, args)
-    except (KeyError, WeightsNotInstalledError, ChecksumError, subprocess.CalledProcessError) as e:
+    except (KeyError, WeightsNotInstalledError, ChecksumError, subprocess.CalledProcessError, MissingExtra) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except OSError as e:  # a full or read-only disk: one line, not a traceback

@@ -202,6 +202,9 @@ def convert_gguf(gguf: str | os.PathLike, dest: str | os.PathLike, *, sha256: st
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer, __version__
 
+    from ..extras import require
+
+    require("pairs", "Converting a GGUF file", ("gguf",))
     gguf, dest = Path(gguf), Path(dest)
     tmp = dest.with_name(f"{dest.name}.{os.getpid()}.partial")
     shutil.rmtree(tmp, ignore_errors=True)

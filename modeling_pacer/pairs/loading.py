@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from ..extras import require
 from .gguf import ensure_converted, source_gguf
 from .registry import DEFAULT_PAIR, PAIRS, ModelSource, PairSpec
 
@@ -77,6 +78,8 @@ def model_location(source: ModelSource, pacer_cache=None, *, pair_name: str = DE
     """`(path, extra from_pretrained kwargs)` for a source; converts registry GGUF parts on first use."""
     if source.parts is not None:
         return str(ensure_converted(source.parts, pacer_cache, pair_name=pair_name)), {}
+    if source.gguf_file:
+        require("pairs", f"Loading {source.gguf_file} (a GGUF file, read by transformers' GGUF loader)", ("gguf",))
     return source.path, ({"gguf_file": source.gguf_file} if source.gguf_file else {})
 
 
@@ -221,6 +224,10 @@ def load_pair(
         WeightsNotInstalledError: a registered pair's weights are missing; the message names the command.
     """
     spec = resolve_pair(name_or_target, draft)
+    if aligned_draft is not None:
+        require("align", "An aligned draft (a peft adapter)", ("peft",))
+    if load_in_8bit_target:
+        require("quantization", "load_in_8bit_target")
     on_cpu = device_map in (None, "cpu") or not torch.accelerator.is_available()  # where the models will sit
     if quantize_draft is None and not on_cpu:
         quantize_draft = False  # the registered pair's draft setting is a CPU kernel's: a GPU draft runs unquantized
@@ -344,6 +351,7 @@ def merge_adapter(model: torch.nn.Module, adapter: str | os.PathLike) -> torch.n
     """`model` with the peft adapter `adapter` (folder or Hub repo id) merged into its weights, in eval mode.
 
     Raises ValueError when `adapter` is no adapter, or one made for a model of another shape."""
+    require("align", "An aligned draft (a peft adapter)", ("peft",))
     from peft import PeftConfig, PeftModel
 
     try:
@@ -512,10 +520,7 @@ def pair_from_args(args, **kwargs) -> LoadedPair:
 def _bnb_8bit_config():
     from transformers import BitsAndBytesConfig
 
-    try:
-        import bitsandbytes  # noqa: F401
-    except ImportError as e:
-        raise ImportError("load_in_8bit_target needs bitsandbytes: pip install 'bitsandbytes>=0.45'") from e
+    require("quantization", "load_in_8bit_target")
     return BitsAndBytesConfig(load_in_8bit=True)
 
 

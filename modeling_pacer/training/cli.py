@@ -21,6 +21,7 @@ from pathlib import Path
 
 from transformers import HfArgumentParser
 
+from ..extras import MissingExtra, require
 from ..resources import ensure_writable_folder
 from .arguments import (
     PacerCardArguments,
@@ -162,6 +163,12 @@ def main(argv=None) -> int:
         build_parser().print_help()
         return 0
     command, argv = split_command(argv)
+    if command != "card":
+        try:
+            require("train", "pacer-train")
+        except MissingExtra as error:
+            print(f"pacer-train: error: {error}", file=sys.stderr)
+            return 2
     return _card(argv) if command == "card" else _run(argv)
 
 
