@@ -60,10 +60,9 @@ class FusedDecoderStep:
         # over 7 projections x 24 layers cost about 1 ms a step (of ~17)
         self._buffers = [m._buffers for m in self.qkv + self.rest]
         # what one step hands every layer alike, converted once: the rotary tables as bf16, whether the mask hides
-        # nothing; and the projections as the C++ reads them, rebuilt when a buffer moves
+        # nothing
         self._rotary: tuple = (None, None)
         self._mask: tuple = (None, None, None)
-        self._weights: tuple = (None, None, None)
 
     def __call__(self, hidden_states, attention_mask=None, position_ids=None, cache=None, use_cache=False,
                  position_embeddings=None, **kwargs):
@@ -95,12 +94,13 @@ class FusedDecoderStep:
         return self._rotary[1]
 
     def _projections(self):
-        """The q/k/v and o/gate/up/down layers as [`kernels.draft_qkv`] / [`kernels.draft_rest`] read them."""
-        key = tuple((b["packed_weight"].data_ptr(), b["scales_and_zeros"].data_ptr(),
-                     None if b["bias_float"] is None else b["bias_float"].data_ptr()) for b in self._buffers)
-        if self._weights[0] != key:
-            self._weights = (key, kernels.projections(self.qkv), kernels.projections(self.rest))
-        return self._weights[1], self._weights[2]
+        """The q/k/v and o/gate/up/down layers' buffers now, as [`kernels.draft_qkv`] / [`kernels.draft_rest`] read
+        them: (packed weights, scales and zeros, float biases)."""
+        def weights(buffers):
+            return ([b["packed_weight"] for b in buffers], [b["scales_and_zeros"] for b in buffers],
+                    [b["bias_float"] for b in buffers])
+
+        return weights(self._buffers[:3]), weights(self._buffers[3:])
 
     def routable(self, rows: int, dtype: torch.dtype) -> bool:
         """What does not depend on the cache or the mask: 1 to MAX_ROWS rows of `dtype` bf16, no gradients, bf16

@@ -127,7 +127,7 @@ def test_a_planted_kernel_library_is_never_loaded(tmp_path, monkeypatch):
     from modeling_pacer import kernels
 
     loaded, built = [], []
-    monkeypatch.setattr(kernels.ctypes, "CDLL", lambda path: loaded.append(path) or object())
+    monkeypatch.setattr(kernels, "_load_library", lambda path: loaded.append(str(path)))
     monkeypatch.setattr(host, "private_folder", lambda name: (tmp_path / "private" / name).mkdir(
         parents=True, exist_ok=True) or tmp_path / "private" / name)
     monkeypatch.setattr(kernels, "private_folder", host.private_folder)

@@ -104,7 +104,7 @@ def test_other_calls_run_the_eager_layer(monkeypatch):
 
 
 def test_steps_read_the_projections_current_buffers(monkeypatch):
-    """The step keeps the projections' addresses between calls: a buffer replaced after fusing (another layer's
+    """The step reads the projections' buffers at each call: a buffer replaced after fusing (another layer's
     weights) is what the next step reads; a norm whose dtype changed sends its layer to the eager forward."""
     fused = _int4_draft(seed=5)
     fuse_draft_layers(fused)
@@ -126,7 +126,7 @@ def test_steps_read_the_projections_current_buffers(monkeypatch):
     before = step_logits(fused)
     swap_weights(fused)
     routed = step_logits(fused)
-    reference = _int4_draft(seed=5)  # the same swap before fusing: a first step builds its addresses afresh
+    reference = _int4_draft(seed=5)  # the same swap before fusing
     swap_weights(reference)
     fuse_draft_layers(reference)
     assert not torch.equal(routed, before) and torch.equal(routed, step_logits(reference))
@@ -190,3 +190,43 @@ def test_the_model_step_is_the_layers_step(monkeypatch):
         assert taken[-1] is False
     fused(ids[:, 9:10], past_key_values=cache)
     assert taken[-1] is False  # gradients on
+
+
+def test_the_kernels_are_torch_operators_a_draft_step_compiles_through():
+    """pacer's kernels are operators of torch's dispatcher (`torch.ops.pacer`, fake kernels registered): a fused
+    draft step (the model's forward over a DynamicCache, two kernel calls a layer) traces into one graph with no break,
+    and the compiled step gives the eager step's logits bitwise; torch's operator checks pass on each kernel."""
+    import torch._dynamo
+
+    model = _int4_draft(seed=5)
+    assert fuse_draft_layers(model) == model.config.num_hidden_layers
+    assert kernels._library() is torch.ops.pacer
+    ids = torch.randint(0, model.config.vocab_size, (1, 10), generator=torch.Generator().manual_seed(2))
+    caches = [DynamicCache(config=model.config) for _ in range(2)]
+
+    def step(tokens, cache):
+        return model(tokens, past_key_values=cache).logits
+
+    with torch.no_grad():
+        for cache in caches:
+            model(ids[:, :8], past_key_values=cache)
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(step)(ids[:, 8:9], DynamicCache(config=model.config))
+        assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+        compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+        for i in (8, 9):
+            assert torch.equal(compiled(ids[:, i:i + 1], caches[0]), step(ids[:, i:i + 1], caches[1]))
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 256, generator=g).bfloat16()
+    q, scale, sums = torch.ops.pacer.quantize_rows(x, 32)
+    layer = model.model.layers[0].mlp.up_proj  # 256 inputs
+    packed, sz = layer.packed_weight, layer.scales_and_zeros
+    query, key = torch.randn(1, 4, 3, 16, generator=g).bfloat16(), torch.randn(1, 2, 5, 16, generator=g).bfloat16()
+    bounds = torch.tensor([[0, 3, 0], [3, 4, 5]]).t().reshape(1, 3, 2)
+    checks = [(torch.ops.pacer.quantize_rows.default, (x, 32)),
+              (torch.ops.pacer.exact_attention.default, (query, key, key.clone(), bounds[..., 0].contiguous(),
+                                                         bounds[..., 1].contiguous(), 0.25))]
+    checks.append((torch.ops.pacer.int4_matmul.default, (packed, sz, layer.out_features, q, scale, sums, None, True)))
+    for op, args in checks:
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))

@@ -1,4 +1,5 @@
-"""pacer's CPU kernels (`vnni_matmul.cpp`): compiled for this CPU on first use, cached, called through ctypes.
+"""pacer's CPU kernels (`vnni_matmul.cpp`), registered as torch operators (`ops.cpp`: `torch.ops.pacer.*`, with
+fake kernels for torch.compile), compiled for this CPU and this torch on first use and cached.
 
 torch's CPU int4 and int8 weight-only kernels compute in float, one multiply-add per weight and row, so their
 cost grows with the rows of a call (a verification block of 8 tokens costs about 3.5 single steps over the
@@ -11,9 +12,11 @@ their results are row-invariant by construction (still probed where they run, li
 of 32, on the same VNNI dot products; at one row on a 0.5B draft's shapes it runs at two to three times the speed of
 torch's int4 kernel, which converts every weight to float.
 
-The file is compiled with the host's C++ compiler (`$CXX`, else `c++`) and `-march=native` into
-`~/.cache/pacer/kernels/`, keyed by the source, the compiler and the CPU; a host without AVX512-VNNI or
-without a compiler gets `available() == False` and a reason, and the callers keep torch's kernels.
+`ops.cpp` (which includes the kernels' file) is compiled with the host's C++ compiler (`$CXX`, else `c++`),
+`-march=native` and torch's own headers and libraries (`torch.utils.cpp_extension.include_paths()` /
+`library_paths()`, its C++ ABI) into `~/.cache/pacer/kernels/`, keyed by the sources, the compiler, torch's version
+and the CPU, once per machine under a cross-process lock, and loaded with `torch.ops.load_library`; a host without
+AVX512-VNNI or without a compiler gets `available() == False` and a reason, and the callers keep torch's kernels.
 """
 
 from __future__ import annotations
@@ -33,9 +36,21 @@ import torch
 
 from ..host import build_once, cache_root, cpuinfo_field, private_folder, trusted
 
-SOURCE = Path(__file__).with_name("vnni_matmul.cpp")
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+SOURCE = Path(__file__).with_name("vnni_matmul.cpp")  # the kernels (raw pointers)
+OPS = Path(__file__).with_name("ops.cpp")  # their torch operators; includes SOURCE
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 ABI = 10  # pacer_kernel_abi() of the source this module calls
+
+
+def _torch_flags() -> list[str]:
+    """What compiling against torch takes, as torch's extension machinery gives it: its headers, libraries and C++ ABI."""
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    flags = [f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+    flags += [f for path in include_paths() for f in ("-isystem", path)]
+    for path in library_paths():
+        flags += [f"-L{path}", f"-Wl,-rpath,{path}"]
+    return flags + ["-lc10", "-ltorch_cpu", "-ltorch"]
 
 
 def _cache_dir() -> Path:
@@ -50,14 +65,20 @@ def _build(compiler: str, target: Path) -> str:
             return ""
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
-            done = subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE)], capture_output=True, text=True)
+            done = subprocess.run([compiler, *FLAGS, "-o", str(built), str(OPS), *_torch_flags()], capture_output=True,
+                                  text=True)
             if done.returncode:
-                return f"compiling {SOURCE.name} failed: {done.stderr.strip()[-2000:]}"
+                return f"compiling {OPS.name} failed: {done.stderr.strip()[-2000:]}"
             os.replace(built, target)
     return ""
 
 
-def _open(compiler: str, name: str) -> tuple[ctypes.CDLL | None, str]:
+def _load_library(path: Path) -> None:
+    """Load a built library into this process: its `TORCH_LIBRARY` registers the `pacer` operators."""
+    torch.ops.load_library(str(path))
+
+
+def _open(compiler: str, name: str) -> tuple[object | None, str]:
     """The library `name`, built if needed and loaded: from the cache where this user alone can have put it there,
     else (a cache another user can write to, a read-only or noexec one) from a private folder, with a warning. Loading
     a library runs its code: a file planted in a shared cache is never loaded."""
@@ -74,7 +95,8 @@ def _open(compiler: str, name: str) -> tuple[ctypes.CDLL | None, str]:
             if not trusted(target, root):
                 reasons.append(f"{target} is not trusted (owned by another user, or a folder others can write to)")
                 continue
-            library = ctypes.CDLL(str(target))
+            _load_library(target)
+            library = torch.ops.pacer
         except OSError as error:  # a read-only cache, a noexec mount
             reasons.append(f"{folder}: {error}")
             continue
@@ -85,7 +107,7 @@ def _open(compiler: str, name: str) -> tuple[ctypes.CDLL | None, str]:
 
 
 @functools.lru_cache(maxsize=1)
-def _load() -> tuple[ctypes.CDLL | None, str]:
+def _load() -> tuple[object | None, str]:
     """`(library, "")`, or `(None, why not)`."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return None, f"the VNNI kernels are built for x86-64 Linux, not {platform.system()} {platform.machine()}"
@@ -97,29 +119,50 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     except (OSError, subprocess.SubprocessError) as error:
         return None, f"{compiler} --version failed: {error}"
     cpu_flags = cpuinfo_field("flags") or platform.processor()
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, " ".join(FLAGS), cpu_flags]).encode())
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), OPS.read_text(), compiler, version, " ".join(FLAGS), cpu_flags,
+                                    torch.__version__]).encode())
     name = f"vnni_matmul-{key.hexdigest()[:20]}.so"
     library, why = _open(compiler, name)
     if library is None:
         return None, why
-    if library.pacer_kernel_abi() != ABI:
+    if library.kernel_abi() != ABI:
         return None, f"{name} is built from another version of {SOURCE.name}"
-    if not library.pacer_vnni_available():
+    if not library.vnni_available():
         return None, "this CPU has no AVX512-VNNI (avx512_vnni, avx512bw): torch's kernels are used"
-    p, i = ctypes.c_void_p, ctypes.c_int64
-    library.pacer_quantize_rows.argtypes = [p, i, i, i, p, p, p]
-    library.pacer_q4k_matmul.argtypes = [p, p, p, p, i, i, p, p, p, i, p, ctypes.c_int, p]
-    library.pacer_q8_matmul.argtypes = [p, p, i, i, p, p, p, i, p, ctypes.c_int, p]
-    library.pacer_exact_attention.argtypes = [p, p, p, i, i, i, i, i, i, p, p, ctypes.c_float, p]
-    library.pacer_i4_matmul.argtypes = [p, p, i, i, p, p, p, i, p, ctypes.c_int, p]
-    f = ctypes.c_float
-    library.pacer_draft_qkv.argtypes = [p, i, i, p, f, p, p, p, i, p, p, p]
-    library.pacer_draft_rest.argtypes = [p, p, p, i, i, i, i, i, f, p, i, p, f, p, i, p]
-    for fn in (library.pacer_quantize_rows, library.pacer_q4k_matmul, library.pacer_q8_matmul,
-               library.pacer_i4_matmul, library.pacer_exact_attention, library.pacer_draft_qkv,
-               library.pacer_draft_rest):
-        fn.restype = None
+    _register_fakes()
     return library, ""
+
+
+def _register_fakes() -> None:
+    """Shapes and dtypes of each operator's outputs, for FakeTensor tracing (torch.compile, torch.export): the
+    operators then stand in a compiled graph as one node each instead of breaking it."""
+    fake = torch.library.register_fake
+
+    @fake("pacer::quantize_rows")
+    def _(x, block):
+        rows, k = x.shape
+        return (x.new_empty((rows, k), dtype=torch.int8), x.new_empty((rows, k // block), dtype=torch.float32),
+                x.new_empty((rows, k // 32), dtype=torch.int16))
+
+    def matmul(q, n, bf16):
+        return q.new_empty((q.shape[0], n), dtype=torch.bfloat16 if bf16 else torch.float32)
+
+    fake("pacer::q4k_matmul")(lambda packed, sc, mn, dd, n, q, scale, sums, bias, bf16: matmul(q, n, bf16))
+    fake("pacer::q8_matmul")(lambda packed, wscale, n, q, scale, sums, bias, bf16: matmul(q, n, bf16))
+    fake("pacer::int4_matmul")(lambda packed, sz, n, q, scale, sums, bias, bf16: matmul(q, n, bf16))
+
+    @fake("pacer::exact_attention")
+    def _(query, key, value, lo, hi, scaling):
+        batch, heads, rows, dim = query.shape
+        return query.new_empty((batch, rows, heads, dim), dtype=torch.float32)
+
+    @fake("pacer::draft_qkv")
+    def _(hidden, norm, eps, packed, sz, bias, cos, sin, head_dim):
+        rows = hidden.shape[0]
+        return tuple(hidden.new_empty((1, 16 * p.shape[0] // head_dim, rows, head_dim), dtype=torch.bfloat16)
+                     for p in packed)
+
+    fake("pacer::draft_rest")(lambda q, keys, values, scaling, hidden, norm, eps, packed, sz, bias: torch.empty_like(hidden))
 
 
 def available() -> bool:
@@ -147,11 +190,18 @@ def require_cpu(*tensors: torch.Tensor | None) -> None:
             raise RuntimeError(f"{CPU_ONLY}: this call was handed a tensor on {t.device}.")
 
 
-def _library() -> ctypes.CDLL:
-    library, why = _load()
-    if library is None:
-        raise RuntimeError(f"pacer's VNNI kernels are not available: {why}")
-    return library
+_OPS = None  # torch.ops.pacer once loaded: a plain global, which torch.compile reads as a constant
+
+
+def _library():
+    """`torch.ops.pacer`, built and loaded (a RuntimeError naming why where it cannot be)."""
+    global _OPS
+    if _OPS is None:
+        library, why = _load()
+        if library is None:
+            raise RuntimeError(f"pacer's VNNI kernels are not available: {why}")
+        _OPS = library
+    return _OPS
 
 
 class QuantizedRows:
@@ -168,20 +218,16 @@ class QuantizedRows:
         x = x.to(torch.bfloat16).contiguous()
         self.rows, self.k = x.shape
         self.block = block
-        self.q = torch.empty(self.rows, self.k, dtype=torch.int8)
-        self.scale = torch.empty(self.rows, self.k // block, dtype=torch.float32)
-        self.group_sums = torch.empty(self.rows, self.k // 32, dtype=torch.int16)
-        _library().pacer_quantize_rows(x.data_ptr(), self.rows, self.k, block, self.q.data_ptr(), self.scale.data_ptr(),
-                                       self.group_sums.data_ptr())
+        self.q, self.scale, self.group_sums = _library().quantize_rows(x, block)
 
 
-def _output(rows: int, n: int, bias, dtype) -> tuple[torch.Tensor, int, int]:
+def _check_output(n: int, bias, dtype) -> bool:
+    """Whether the kernels write bfloat16 (else float32); a bias they cannot read is refused."""
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"the kernels write float32 or bfloat16, not {dtype}")
     if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,) or not bias.is_contiguous()):
         raise ValueError(f"bias must be a contiguous float32 tensor of shape ({n},)")
-    out = torch.empty(rows, n, dtype=dtype)
-    return out, 0 if bias is None else bias.data_ptr(), int(dtype == torch.bfloat16)
+    return dtype == torch.bfloat16
 
 
 def q4k_matmul(x: QuantizedRows, packed, sc, mn, dd, n: int, bias: torch.Tensor | None = None,
@@ -191,11 +237,8 @@ def q4k_matmul(x: QuantizedRows, packed, sc, mn, dd, n: int, bias: torch.Tensor 
     if x.block != 256:
         raise ValueError("q4k_matmul reads activations quantized in blocks of 256")
     require_cpu(packed, sc, mn, dd, bias)
-    out, bias_ptr, bf16 = _output(x.rows, n, bias, dtype)
-    _library().pacer_q4k_matmul(packed.data_ptr(), sc.data_ptr(), mn.data_ptr(), dd.data_ptr(), n, x.k,
-                                x.q.data_ptr(), x.scale.data_ptr(), x.group_sums.data_ptr(), x.rows, bias_ptr, bf16,
-                                out.data_ptr())
-    return out
+    bf16 = _check_output(n, bias, dtype)
+    return _library().q4k_matmul(packed, sc, mn, dd, n, x.q, x.scale, x.group_sums, bias, bf16)
 
 
 def q8_matmul(x: QuantizedRows, packed, scale, n: int, bias: torch.Tensor | None = None,
@@ -205,10 +248,8 @@ def q8_matmul(x: QuantizedRows, packed, scale, n: int, bias: torch.Tensor | None
     if x.block != 32:
         raise ValueError("q8_matmul reads activations quantized in blocks of 32")
     require_cpu(packed, scale, bias)
-    out, bias_ptr, bf16 = _output(x.rows, n, bias, dtype)
-    _library().pacer_q8_matmul(packed.data_ptr(), scale.data_ptr(), n, x.k, x.q.data_ptr(), x.scale.data_ptr(),
-                               x.group_sums.data_ptr(), x.rows, bias_ptr, bf16, out.data_ptr())
-    return out
+    bf16 = _check_output(n, bias, dtype)
+    return _library().q8_matmul(packed, scale, n, x.q, x.scale, x.group_sums, bias, bf16)
 
 
 def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, n: int,
@@ -220,54 +261,29 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tenso
         raise ValueError(f"int4_matmul: needs (rows, k) with k divisible by 32, got {tuple(x.shape)}")
     require_cpu(packed, scales_zeros, bias)
     rows = QuantizedRows(x, block=32)
-    out, bias_ptr, bf16 = _output(rows.rows, n, bias, dtype)
-    _library().pacer_i4_matmul(packed.data_ptr(), scales_zeros.data_ptr(), n, rows.k, rows.q.data_ptr(),
-                               rows.scale.data_ptr(), rows.group_sums.data_ptr(), rows.rows, bias_ptr, bf16,
-                               out.data_ptr())
-    return out
+    bf16 = _check_output(n, bias, dtype)
+    return _library().int4_matmul(packed, scales_zeros, n, rows.q, rows.scale, rows.group_sums, bias, bf16)
 
 
-class _I4Weight(ctypes.Structure):  # vnni_matmul.cpp's I4Weight
-    _fields_ = [("packed", ctypes.c_void_p), ("sz", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("n", ctypes.c_int64)]
-
-
-def projections(layers) -> ctypes.Array:
-    """Int4Linear(kernel="pacer") layers as [`draft_qkv`] / [`draft_rest`] read them: their buffers' addresses now
-    (build again after a buffer is replaced)."""
-    for m in layers:
-        require_cpu(m.packed_weight, m.scales_and_zeros, m.bias_float)
-    return (_I4Weight * len(layers))(*(
-        _I4Weight(m.packed_weight.data_ptr(), m.scales_and_zeros.data_ptr(),
-                  0 if m.bias_float is None else m.bias_float.data_ptr(), m.out_features) for m in layers))
-
-
-def draft_qkv(hidden: torch.Tensor, norm: torch.Tensor, eps: float, weights: ctypes.Array, cos: torch.Tensor,
+def draft_qkv(hidden: torch.Tensor, norm: torch.Tensor, eps: float, weights, cos: torch.Tensor,
               sin: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A few new tokens' `hidden` ((m, size), bf16, contiguous) -> RMSNorm (`norm`, `eps`) -> the q, k, v
-    `weights` ([`projections`] of Int4Linear(kernel="pacer") layers) -> rotary embeddings (`cos`, `sin`:
+    `weights` (the q, k, v Int4Linear(kernel="pacer") layers' packed weights, scales and zeros, float biases: three
+    lists) -> rotary embeddings (`cos`, `sin`:
     (m, `head_dim`), bf16). Returns q (1, heads, m, d), k and v (1, kv_heads, m, d), bf16, as transformers'
     attention hands them to its cache; each row as a one-row call gives it."""
-    require_cpu(hidden, norm, cos, sin)
-    rows, size = hidden.shape
-    q, k, v = (torch.empty(1, w.n // head_dim, rows, head_dim, dtype=torch.bfloat16) for w in weights)
-    _library().pacer_draft_qkv(hidden.data_ptr(), rows, size, norm.data_ptr(), eps, weights, cos.data_ptr(),
-                               sin.data_ptr(), head_dim, q.data_ptr(), k.data_ptr(), v.data_ptr())
-    return q, k, v
+    require_cpu(hidden, norm, cos, sin, *weights[0], *weights[1], *weights[2])
+    return _library().draft_qkv(hidden, norm, eps, *weights, cos, sin, head_dim)
 
 
 def draft_rest(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, hidden: torch.Tensor,
-               norm: torch.Tensor, eps: float, weights: ctypes.Array) -> torch.Tensor:
+               norm: torch.Tensor, eps: float, weights) -> torch.Tensor:
     """The rest of a decoder layer for the m new tokens: `q` (1, heads, m, d) attends to `keys`/`values`
     (1, kv_heads, length, d, the new tokens last; row r sees keys 0..length - m + r), then o_proj, the residual onto
-    `hidden` (m, size), RMSNorm (`norm`, `eps`), the SiLU-gated MLP and its residual. `weights`: [`projections`] of the
-    o, gate, up, down layers (Int4Linear(kernel="pacer")). bf16 in and out, (m, size)."""
-    require_cpu(q, keys, values, hidden, norm)
-    out = torch.empty_like(hidden)
-    _, heads, rows, dim = q.shape
-    _library().pacer_draft_rest(q.data_ptr(), keys.data_ptr(), values.data_ptr(), rows, heads, keys.shape[1],
-                                keys.shape[2], dim, scaling, hidden.data_ptr(), hidden.shape[-1], norm.data_ptr(), eps,
-                                weights, weights[1].n, out.data_ptr())
-    return out
+    `hidden` (m, size), RMSNorm (`norm`, `eps`), the SiLU-gated MLP and its residual. `weights`: the o, gate, up, down layers'
+    (Int4Linear(kernel="pacer")) as `draft_qkv` reads them. bf16 in and out, (m, size)."""
+    require_cpu(q, keys, values, hidden, norm, *weights[0], *weights[1], *weights[2])
+    return _library().draft_rest(q, keys, values, scaling, hidden, norm, eps, *weights)
 
 
 def exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
@@ -277,16 +293,13 @@ def exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     alone by the same instructions whatever M, L or the thread count."""
     require_cpu(query, key, value, lo, hi)
     batch, heads, rows, dim = query.shape
-    kv_heads, length = key.shape[1], key.shape[2]
+    kv_heads = key.shape[1]
     if dim % 16 or dim > 256 or heads % kv_heads or query.dtype != torch.bfloat16:
         raise ValueError(f"exact_attention: needs bf16, head_dim a multiple of 16 up to 256 and heads divisible by "
                          f"kv_heads; got {query.dtype}, head_dim {dim}, {heads}/{kv_heads} heads")
     q, k, v = (t.to(torch.bfloat16).contiguous() for t in (query, key, value))
     lo, hi = lo.to(torch.int64).contiguous(), hi.to(torch.int64).contiguous()
-    out = torch.empty(batch, rows, heads, dim, dtype=torch.float32)
-    _library().pacer_exact_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), batch, heads, kv_heads, rows, length, dim,
-                                     lo.data_ptr(), hi.data_ptr(), scaling, out.data_ptr())
-    return out
+    return _library().exact_attention(q, k, v, lo, hi, scaling)
 
 
 def pack_q4k(codes: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor):

@@ -226,8 +226,6 @@ def load_pair(
     spec = resolve_pair(name_or_target, draft)
     if aligned_draft is not None:
         require("align", "An aligned draft (a peft adapter)", ("peft",))
-    if load_in_8bit_target:
-        require("quantization", "load_in_8bit_target")
     on_cpu = device_map in (None, "cpu") or not torch.accelerator.is_available()  # where the models will sit
     if quantize_draft is None and not on_cpu:
         quantize_draft = False  # the registered pair's draft setting is a CPU kernel's: a GPU draft runs unquantized
@@ -247,6 +245,8 @@ def load_pair(
     if exact and load_in_8bit_target:
         raise ValueError("exact=True makes nn.Linear layers row-invariant; an 8-bit bitsandbytes target has none: "
                          "pass exact=False (and check its outputs: its kernels' row invariance is not tested)")
+    if load_in_8bit_target:  # after the settings it cannot go with are refused
+        require("quantization", "load_in_8bit_target")
     target_kwargs = dict(kwargs)
     if load_in_8bit_target:
         target_kwargs["quantization_config"] = _bnb_8bit_config()

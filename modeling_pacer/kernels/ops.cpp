@@ -1,0 +1,149 @@
+// pacer's CPU kernels as torch operators (namespace `pacer`, `torch.ops.pacer.*`): the raw-pointer kernels of
+// vnni_matmul.cpp (the same translation unit, built with the same flags) behind TORCH_LIBRARY schemas, so that
+// torch's dispatcher sees them: FakeTensor/meta kernels (registered from Python, modeling_pacer/kernels/__init__.py)
+// let torch.compile trace through them without a graph break. Each wrapper allocates its outputs and hands the
+// kernels the tensors' addresses; the Python side checks shapes, dtypes and that every tensor is in host memory.
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "vnni_matmul.cpp"
+
+namespace {
+
+int64_t kernel_abi() { return pacer_kernel_abi(); }
+bool vnni_available() { return pacer_vnni_available() != 0; }
+
+#ifdef PACER_VNNI
+template <typename T>
+const T* in(const at::Tensor& t) { return static_cast<const T*>(t.const_data_ptr()); }
+const float* maybe(const std::optional<at::Tensor>& t) { return t ? static_cast<const float*>(t->const_data_ptr()) : nullptr; }
+
+at::Tensor output(int64_t m, int64_t n, bool bf16) {
+    return at::empty({m, n}, at::TensorOptions().dtype(bf16 ? at::kBFloat16 : at::kFloat));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, int64_t block) {
+    const int64_t m = x.size(0), k = x.size(1);
+    auto q = at::empty({m, k}, at::TensorOptions().dtype(at::kChar));
+    auto scale = at::empty({m, k / block}, at::TensorOptions().dtype(at::kFloat));
+    auto sums = at::empty({m, k / 32}, at::TensorOptions().dtype(at::kShort));
+    pacer_quantize_rows(in<uint16_t>(x), m, k, block, q.mutable_data_ptr<int8_t>(), scale.mutable_data_ptr<float>(),
+                        sums.mutable_data_ptr<int16_t>());
+    return {q, scale, sums};
+}
+
+at::Tensor q4k_matmul(const at::Tensor& packed, const at::Tensor& sc, const at::Tensor& mn, const at::Tensor& dd,
+                      int64_t n, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& sums,
+                      const std::optional<at::Tensor>& bias, bool bf16) {
+    auto out = output(q.size(0), n, bf16);
+    pacer_q4k_matmul(in<uint8_t>(packed), in<uint8_t>(sc), in<uint8_t>(mn), in<uint16_t>(dd), n, q.size(1),
+                     in<int8_t>(q), in<float>(scale), in<int16_t>(sums), q.size(0), maybe(bias), bf16,
+                     out.mutable_data_ptr());
+    return out;
+}
+
+at::Tensor q8_matmul(const at::Tensor& packed, const at::Tensor& wscale, int64_t n, const at::Tensor& q,
+                     const at::Tensor& scale, const at::Tensor& sums, const std::optional<at::Tensor>& bias, bool bf16) {
+    auto out = output(q.size(0), n, bf16);
+    pacer_q8_matmul(in<uint8_t>(packed), in<float>(wscale), n, q.size(1), in<int8_t>(q), in<float>(scale),
+                    in<int16_t>(sums), q.size(0), maybe(bias), bf16, out.mutable_data_ptr());
+    return out;
+}
+
+at::Tensor int4_matmul(const at::Tensor& packed, const at::Tensor& sz, int64_t n, const at::Tensor& q,
+                       const at::Tensor& scale, const at::Tensor& sums, const std::optional<at::Tensor>& bias,
+                       bool bf16) {
+    auto out = output(q.size(0), n, bf16);
+    pacer_i4_matmul(in<uint8_t>(packed), in<uint16_t>(sz), n, q.size(1), in<int8_t>(q), in<float>(scale),
+                    in<int16_t>(sums), q.size(0), maybe(bias), bf16, out.mutable_data_ptr());
+    return out;
+}
+
+at::Tensor exact_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                           const at::Tensor& lo, const at::Tensor& hi, double scaling) {
+    const int64_t B = query.size(0), H = query.size(1), M = query.size(2), D = query.size(3);
+    auto out = at::empty({B, M, H, D}, at::TensorOptions().dtype(at::kFloat));
+    pacer_exact_attention(in<uint16_t>(query), in<uint16_t>(key), in<uint16_t>(value), B, H, key.size(1), M,
+                          key.size(2), D, in<int64_t>(lo), in<int64_t>(hi), static_cast<float>(scaling),
+                          out.mutable_data_ptr<float>());
+    return out;
+}
+
+// an Int4Linear(kernel="pacer")'s buffers as the fused kernels read them: out features = 16 per tile of `packed`
+std::vector<I4Weight> weights(const std::vector<at::Tensor>& packed, const std::vector<at::Tensor>& sz,
+                              const std::vector<std::optional<at::Tensor>>& bias) {
+    TORCH_CHECK(packed.size() == sz.size() && packed.size() == bias.size(), "pacer: one scales and one bias per weight");
+    std::vector<I4Weight> ws;
+    for (size_t i = 0; i < packed.size(); ++i)
+        ws.push_back(I4Weight{in<uint8_t>(packed[i]), in<uint16_t>(sz[i]), maybe(bias[i]), 16 * packed[i].size(0)});
+    return ws;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> draft_qkv(
+        const at::Tensor& hidden, const at::Tensor& norm, double eps, const std::vector<at::Tensor>& packed,
+        const std::vector<at::Tensor>& sz, const std::vector<std::optional<at::Tensor>>& bias, const at::Tensor& cos,
+        const at::Tensor& sin, int64_t head_dim) {
+    const auto ws = weights(packed, sz, bias);
+    TORCH_CHECK(ws.size() == 3, "pacer::draft_qkv reads the q, k and v projections");
+    const int64_t m = hidden.size(0);
+    auto options = at::TensorOptions().dtype(at::kBFloat16);
+    auto q = at::empty({1, ws[0].n / head_dim, m, head_dim}, options);
+    auto k = at::empty({1, ws[1].n / head_dim, m, head_dim}, options);
+    auto v = at::empty({1, ws[2].n / head_dim, m, head_dim}, options);
+    pacer_draft_qkv(in<uint16_t>(hidden), m, hidden.size(1), in<uint16_t>(norm), static_cast<float>(eps), ws.data(),
+                    in<uint16_t>(cos), in<uint16_t>(sin), head_dim, static_cast<uint16_t*>(q.mutable_data_ptr()),
+                    static_cast<uint16_t*>(k.mutable_data_ptr()), static_cast<uint16_t*>(v.mutable_data_ptr()));
+    return {q, k, v};
+}
+
+at::Tensor draft_rest(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, double scaling,
+                      const at::Tensor& hidden, const at::Tensor& norm, double eps,
+                      const std::vector<at::Tensor>& packed, const std::vector<at::Tensor>& sz,
+                      const std::vector<std::optional<at::Tensor>>& bias) {
+    const auto ws = weights(packed, sz, bias);
+    TORCH_CHECK(ws.size() == 4, "pacer::draft_rest reads the o, gate, up and down projections");
+    auto out = at::empty(hidden.sizes(), hidden.options());
+    pacer_draft_rest(in<uint16_t>(q), in<uint16_t>(keys), in<uint16_t>(values), q.size(2), q.size(1), keys.size(1),
+                     keys.size(2), q.size(3), static_cast<float>(scaling), in<uint16_t>(hidden), hidden.size(-1),
+                     in<uint16_t>(norm), static_cast<float>(eps), ws.data(), ws[1].n,
+                     static_cast<uint16_t*>(out.mutable_data_ptr()));
+    return out;
+}
+#endif
+
+}  // namespace
+
+TORCH_LIBRARY(pacer, m) {
+    m.def("kernel_abi() -> int", &kernel_abi);
+    m.def("vnni_available() -> bool", &vnni_available);
+#ifdef PACER_VNNI
+    m.def("quantize_rows(Tensor x, int block) -> (Tensor, Tensor, Tensor)");
+    m.def("q4k_matmul(Tensor packed, Tensor sc, Tensor mn, Tensor dd, int n, Tensor q, Tensor scale, Tensor sums, "
+          "Tensor? bias, bool bf16) -> Tensor");
+    m.def("q8_matmul(Tensor packed, Tensor wscale, int n, Tensor q, Tensor scale, Tensor sums, Tensor? bias, "
+          "bool bf16) -> Tensor");
+    m.def("int4_matmul(Tensor packed, Tensor sz, int n, Tensor q, Tensor scale, Tensor sums, Tensor? bias, "
+          "bool bf16) -> Tensor");
+    m.def("exact_attention(Tensor query, Tensor key, Tensor value, Tensor lo, Tensor hi, float scaling) -> Tensor");
+    m.def("draft_qkv(Tensor hidden, Tensor norm, float eps, Tensor[] packed, Tensor[] sz, Tensor?[] bias, Tensor cos, "
+          "Tensor sin, int head_dim) -> (Tensor, Tensor, Tensor)");
+    m.def("draft_rest(Tensor q, Tensor keys, Tensor values, float scaling, Tensor hidden, Tensor norm, float eps, "
+          "Tensor[] packed, Tensor[] sz, Tensor?[] bias) -> Tensor");
+#endif
+}
+
+#ifdef PACER_VNNI
+TORCH_LIBRARY_IMPL(pacer, CPU, m) {
+    m.impl("quantize_rows", &quantize_rows);
+    m.impl("q4k_matmul", &q4k_matmul);
+    m.impl("q8_matmul", &q8_matmul);
+    m.impl("int4_matmul", &int4_matmul);
+    m.impl("exact_attention", &exact_attention);
+    m.impl("draft_qkv", &draft_qkv);
+    m.impl("draft_rest", &draft_rest);
+}
+#endif
