@@ -258,6 +258,7 @@ def test_a_kernel_attention_draft_records_traces():
 def test_missing_kernels_are_a_clear_error(tmp_path, monkeypatch):
     """Without the kernels (no compiler, no VNNI), asking for them names why and what runs instead."""
     monkeypatch.setattr(kernels, "_load", lambda: (None, "no C++ compiler found (set $CXX or install g++)"))
+    monkeypatch.setattr(kernels, "_OPS", None)  # as in a process that never loaded them
     assert not kernels.available() and "compiler" in kernels.unavailable_reason()
     with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
         W8A8Linear.from_linear(torch.nn.Linear(256, 16))(torch.randn(1, 256))

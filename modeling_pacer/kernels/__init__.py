@@ -272,7 +272,7 @@ def draft_qkv(hidden: torch.Tensor, norm: torch.Tensor, eps: float, weights, cos
     lists) -> rotary embeddings (`cos`, `sin`:
     (m, `head_dim`), bf16). Returns q (1, heads, m, d), k and v (1, kv_heads, m, d), bf16, as transformers'
     attention hands them to its cache; each row as a one-row call gives it."""
-    require_cpu(hidden, norm, cos, sin, *weights[0], *weights[1], *weights[2])
+    require_cpu(hidden, norm, cos, sin)  # the weights: the dispatcher refuses them elsewhere (a CPU kernel only)
     return _library().draft_qkv(hidden, norm, eps, *weights, cos, sin, head_dim)
 
 
@@ -282,7 +282,7 @@ def draft_rest(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scalin
     (1, kv_heads, length, d, the new tokens last; row r sees keys 0..length - m + r), then o_proj, the residual onto
     `hidden` (m, size), RMSNorm (`norm`, `eps`), the SiLU-gated MLP and its residual. `weights`: the o, gate, up, down layers'
     (Int4Linear(kernel="pacer")) as `draft_qkv` reads them. bf16 in and out, (m, size)."""
-    require_cpu(q, keys, values, hidden, norm, *weights[0], *weights[1], *weights[2])
+    require_cpu(q, keys, values, hidden, norm)
     return _library().draft_rest(q, keys, values, scaling, hidden, norm, eps, *weights)
 
 
