@@ -31,8 +31,8 @@ from .custom_generate.policies import (
     policy_from_dict,
 )
 from .costs import CostModel, host_costs
-from .exact_attention import make_exact  # importing registers attn_implementation="pacer_exact"
-from .exact_linear import exact_linears
+from .exact import make_exact  # importing registers attn_implementation="pacer_exact" (cpu/exact_attention.py)
+from .cpu.exact_linear import exact_linears
 from .modeling_pacer import PacerHead, PacerHeadOutput
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from . import kernels
+from .cpu import kernels
 from .custom_generate import generate as _loop
 from .custom_generate.costs import (  # noqa: F401 - the measurement, at the loop's floor; cached here per host
     STALE_RATIO,
@@ -33,8 +33,8 @@ from .custom_generate.costs import (  # noqa: F401 - the measurement, at the loo
 )
 from .custom_generate.steps import crop_cache, model_forward
 from .draft_vocab import kept_tokens
-from .exact_linear import is_exact_linear
-from .fused_draft import FusedDraftStep, fused_layers
+from .cpu.exact_linear import is_exact_linear
+from .cpu.fused_draft import FusedDraftStep, fused_layers
 from .host import cache_root, cpuinfo_field
 from .resources import write_json
 
@@ -153,9 +153,9 @@ def describe_model(model) -> dict | None:
         linears=linears,
         # a draft whose LM head computes fewer tokens (modeling_pacer.draft_vocab) costs less per step
         **({"kept_tokens": kept} if (kept := kept_tokens(model)) is not None else {}),
-        # a draft whose decoder layers take one-token steps in pacer's kernels (modeling_pacer.fused_draft)
+        # a draft whose decoder layers take one-token steps in pacer's kernels (modeling_pacer.cpu.fused_draft)
         **({"fused_layers": fused} if (fused := fused_layers(model)) else {}),
-        # and whose decoding steps skip the model's own forward (modeling_pacer.fused_draft.FusedDraftStep)
+        # and whose decoding steps skip the model's own forward (modeling_pacer.cpu.fused_draft.FusedDraftStep)
         **({"fused_model_step": True} if isinstance(getattr(model, "forward", None), FusedDraftStep) else {}),
     )
 

@@ -46,16 +46,3 @@ def require(extra: str, job: str, modules: tuple[str, ...] | None = None) -> Non
             f"pip install 'pacer-decoding[{extra}]' (from a checkout: pip install -e '.[{extra}]')"
         )
 
-
-def demo_main(argv=None) -> int:
-    """`pacer-demo`: the Space's modules are checked before they are imported (demo.py imports gradio at its top)."""
-    import sys
-
-    try:
-        require("demo", "pacer-demo (the Space)")
-    except MissingExtra as error:
-        print(f"pacer-demo: error: {error}", file=sys.stderr)
-        return 2
-    from .demo import main
-
-    return main(argv)

@@ -87,7 +87,7 @@ def narrow_rows(model, width: int = 4):
     """Keep every exact linear layer of `model` to `width` row counts at the bottom of its range as probed on this
     host (e.g. 2..5 where the host's run is 2..40), so that padding and chunking run on every prompt longer than
     a few tokens, on any host, and stay inside what this host's kernels compute alike. Returns the model."""
-    from modeling_pacer.exact_linear import RowRange, host_row_range, is_exact_linear
+    from modeling_pacer.cpu.exact_linear import RowRange, host_row_range, is_exact_linear
 
     for module in model.modules():
         if is_exact_linear(module):

@@ -221,7 +221,7 @@ def test_weight_bytes_counts_what_a_forward_reads():
     """Linear layers and norms, packed buffers included; not the embedding table, except where the LM head is
     tied to it (then it is read in full, once)."""
     from modeling_pacer.costs import weight_bytes
-    from modeling_pacer.quantization import quantize_linears
+    from modeling_pacer.cpu.quantization import quantize_linears
 
     for tie in (False, True):
         model = make_model("llama", seed=0, hidden=64)

@@ -89,8 +89,8 @@ def test_online_calibration_reads_estimates_of_any_device_and_dtype():
 def test_pacer_kernels_refuse_tensors_off_the_cpu():
     """A model pacer quantized or fused for the CPU, then moved: a clear error naming the way out, never a raw pointer
     to device memory handed to the CPU kernels."""
-    from modeling_pacer import kernels
-    from modeling_pacer.quantization import Int4Linear, Int8Linear
+    from modeling_pacer.cpu import kernels
+    from modeling_pacer.cpu.quantization import Int4Linear, Int8Linear
 
     layer = torch.nn.Linear(64, 32).to(torch.bfloat16)
     for quantized in (Int4Linear.from_linear(layer), Int8Linear.from_linear(layer)):

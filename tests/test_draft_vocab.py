@@ -14,7 +14,7 @@ from modeling_pacer.draft_vocab import (
     reduce_draft_vocabulary,
     special_token_ids,
 )
-from modeling_pacer.quantization import Int4Linear, quantize_linears
+from modeling_pacer.cpu.quantization import Int4Linear, quantize_linears
 
 from conftest import VOCAB, make_head, make_model, make_pair, word_tokenizer
 from test_sampling import RUNS, V, _chi_square_p_value, _exact_distribution, sample_outcomes

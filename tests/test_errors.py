@@ -31,7 +31,7 @@ def test_head_for_another_draft(pair):
 def test_head_for_another_draft_quantization(pair):
     """A head trained on the int4 draft, given the plain one (or the reverse): refused, naming the flag that loads the
     draft it was trained on, whatever the rule reads; a head that records no setting (older heads) is taken."""
-    from modeling_pacer.quantization import quantize_linears
+    from modeling_pacer.cpu.quantization import quantize_linears
 
     target, draft = pair
     for trained_on, flag in (("int4", "--quantize-draft int4"), ("dynamic-int8", "--quantize-draft int8")):

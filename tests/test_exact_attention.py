@@ -1,4 +1,4 @@
-"""`attn_implementation="pacer_exact"` (modeling_pacer/exact_attention.py): a k-token forward after a cached
+"""`attn_implementation="pacer_exact"` (modeling_pacer/cpu/exact_attention.py): a k-token forward after a cached
 prefix gives bitwise the logits of k single-token decoding steps, in bf16 and float32, so that verification
 computes exactly what plain decoding computes; `sdpa` does not on a realistic shape; PACER's greedy output
 with such a bf16 target is token for token the target's own."""
@@ -12,7 +12,9 @@ from transformers import DynamicCache, MistralConfig, MistralForCausalLM, Qwen2C
 import modeling_pacer
 from modeling_pacer import FixedLength, enable_pacer
 from modeling_pacer.custom_generate.generate import model_forward
-from modeling_pacer.exact_attention import NAME, exact_linears, make_exact
+from modeling_pacer.cpu.exact_attention import NAME
+from modeling_pacer.cpu.exact_linear import exact_linears
+from modeling_pacer.exact import make_exact
 
 from conftest import VOCAB, make_model
 
@@ -58,7 +60,7 @@ def test_registered_by_importing_modeling_pacer():
     model = make_model("llama", seed=1)
     model.set_attn_implementation("pacer_exact")
     assert model.config._attn_implementation == "pacer_exact"
-    assert modeling_pacer.exact_attention.exact_attention_forward is AttentionInterface._global_mapping[NAME]
+    assert modeling_pacer.cpu.exact_attention.exact_attention_forward is AttentionInterface._global_mapping[NAME]
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -85,7 +87,7 @@ def test_attention_rows_bitwise_on_a_realistic_shape(dtype):
     q = torch.randn(1, 12, k_max, 128, generator=g).to(DTYPES[dtype])
     key = torch.randn(1, 2, past + k_max, 128, generator=g).to(DTYPES[dtype])
     value = torch.randn(1, 2, past + k_max, 128, generator=g).to(DTYPES[dtype])
-    fn = modeling_pacer.exact_attention.exact_attention_forward
+    fn = modeling_pacer.cpu.exact_attention.exact_attention_forward
     for k in range(1, k_max + 1):
         block, _ = fn(module, q[:, :, :k], key[:, :, :past + k], value[:, :, :past + k], None, scaling=128**-0.5)
         assert block.shape == (1, k, 12, 128)

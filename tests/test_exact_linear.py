@@ -1,4 +1,4 @@
-"""Row invariance measured where it runs (modeling_pacer/exact_linear.py): the probe finds the row counts in
+"""Row invariance measured where it runs (modeling_pacer/cpu/exact_linear.py): the probe finds the row counts in
 which a layer computes each row alike, every call is padded or chunked into that range, and so a row's result
 depends on the row alone, whether it comes as a decoding step, a verification block or a 300-token prefill.
 
@@ -14,8 +14,8 @@ from transformers import DynamicCache
 
 from modeling_pacer import FixedLength, enable_pacer, exact_linears, make_exact
 from modeling_pacer.custom_generate.generate import model_forward
-from modeling_pacer.exact_linear import RowRange, choose_range, host_row_range, row_runs
-from modeling_pacer.quantization import Int4Linear, Int8Linear
+from modeling_pacer.cpu.exact_linear import RowRange, choose_range, host_row_range, row_runs
+from modeling_pacer.cpu.quantization import Int4Linear, Int8Linear
 
 from conftest import VOCAB, make_model, narrow_rows
 

@@ -62,7 +62,7 @@ def test_a_core_install_imports_and_decodes_losslessly(tmp_path):
 @pytest.mark.parametrize("command, extra", [
     ("from modeling_pacer.training.cli import main; sys.exit(main(['run', '--n', '2', '--out', 'x']))", "train"),
     ("from modeling_pacer.alignment.cli import main; sys.exit(main(['--out', 'x']))", "align"),
-    ("from modeling_pacer.extras import demo_main; sys.exit(demo_main([]))", "demo"),
+    ("from modeling_pacer.demo_cli import main; sys.exit(main([]))", "demo"),
     ("from modeling_pacer.pairs.cli import main; sys.exit(main(['install', '--no-pip']))", "pairs"),
     ("from modeling_pacer.benchmarks.cli import main; sys.exit(main(['--quick']))", "bench"),
     ("from modeling_pacer.benchmarks.cli import main; sys.exit(main(['space']))", "demo"),

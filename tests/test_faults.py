@@ -124,7 +124,7 @@ def test_a_planted_kernel_library_is_never_loaded(tmp_path, monkeypatch):
     """A shared cache whose kernels folder others can write: the library found there (planted, with the expected
     name) is not loaded; pacer builds its own in a private folder and warns. A cache that cannot be written (a file
     where the folder should be, as a read-only mount refuses) falls back the same way."""
-    from modeling_pacer import kernels
+    from modeling_pacer.cpu import kernels
 
     loaded, built = [], []
     monkeypatch.setattr(kernels, "_load_library", lambda path: loaded.append(str(path)))
@@ -163,7 +163,7 @@ def test_a_planted_kernel_library_is_never_loaded(tmp_path, monkeypatch):
 def test_a_planted_row_range_is_never_read(tmp_path, monkeypatch):
     """A row range decides what exact verification computes: one widened in a folder others can write is ignored
     (probed again); the same file where only this user can write is read (the test has the power to see it)."""
-    from modeling_pacer import exact_linear
+    from modeling_pacer.cpu import exact_linear
 
     monkeypatch.setattr(host, "private_folder", lambda name: (tmp_path / "private" / name).mkdir(
         parents=True, exist_ok=True) or tmp_path / "private" / name)

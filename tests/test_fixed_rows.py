@@ -1,4 +1,4 @@
-"""The fixed row shape (`modeling_pacer.fixed_rows`), the GPU's candidate for exact verification, checked on the CPU:
+"""The fixed row shape (`modeling_pacer.gpu.fixed_rows`), the GPU's candidate for exact verification, checked on the CPU:
 its padding, chunking and cache bookkeeping (in float64, where the padded calls' logits must match the plain model's
 to 1e-9: a wrong position, a padding row seen by a real one, or a cache left uncropped shows far above that), its
 refusals, and PACER through it token for token against the target alone (both exact by make_exact, so the test
@@ -10,7 +10,7 @@ from transformers import DynamicCache
 
 from modeling_pacer import make_exact
 from modeling_pacer.custom_generate.generate import model_forward
-from modeling_pacer.fixed_rows import fixed_rows, fixed_rows_of, row_agreement
+from modeling_pacer.gpu.fixed_rows import fixed_rows, fixed_rows_of, row_agreement
 
 from conftest import make_head, make_model, make_pair
 
@@ -99,7 +99,7 @@ def _noisy(model):
 
 
 def test_choose_exact_keeps_the_first_exact_way_and_undoes_the_others():
-    from modeling_pacer.exact_attention import choose_exact, exact_candidates
+    from modeling_pacer.exact import choose_exact, exact_candidates
 
     model = make_model("llama", seed=1).to(torch.bfloat16)
     attention = model.config._attn_implementation

@@ -1,4 +1,4 @@
-"""A draft's decoder layers in two kernel calls per token (modeling_pacer/fused_draft.py): one-token steps follow
+"""A draft's decoder layers in two kernel calls per token (modeling_pacer/cpu/fused_draft.py): one-token steps follow
 the eager layer's numbers to bf16 rounding, anything else runs the eager layer itself, the layers it cannot take
 are left alone (PACER's greedy identity with such a draft: tests/test_quantization.py, draft_kind "int4-fused")."""
 
@@ -8,10 +8,10 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from modeling_pacer import kernels
+from modeling_pacer.cpu import kernels
 from modeling_pacer.costs import describe_model
-from modeling_pacer.fused_draft import MAX_ROWS, FusedDecoderStep, FusedDraftStep, fuse_draft_layers, fused_layers
-from modeling_pacer.quantization import quantize_linears
+from modeling_pacer.cpu.fused_draft import MAX_ROWS, FusedDecoderStep, FusedDraftStep, fuse_draft_layers, fused_layers
+from modeling_pacer.cpu.quantization import quantize_linears
 
 from conftest import make_model
 from test_quantization import _tiny_qwen2

@@ -1,4 +1,4 @@
-"""pacer's VNNI kernels (modeling_pacer/kernels) and their layers (W4A8Linear, W8A8Linear, Int4Linear with
+"""pacer's VNNI kernels (modeling_pacer/cpu/kernels) and their layers (W4A8Linear, W8A8Linear, Int4Linear with
 kernel="pacer"): they compute their formula (integer sums exactly, the int4 grid to float32 rounding), each output row is bitwise the same whatever the rows and threads of the call, a
 GGUF's Q4_K tensors are kept exactly, and PACER over a W4A8 target returns that target's own greedy output."""
 
@@ -7,11 +7,13 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from modeling_pacer import FixedLength, enable_pacer, kernels
-from modeling_pacer.exact_attention import kernel_attention, make_exact
-from modeling_pacer.exact_linear import row_runs
+from modeling_pacer import FixedLength, enable_pacer
+from modeling_pacer.cpu import kernels
+from modeling_pacer.cpu.exact_attention import kernel_attention
+from modeling_pacer.exact import make_exact
+from modeling_pacer.cpu.exact_linear import row_runs
 from modeling_pacer.pairs import load_pair
-from modeling_pacer.quantization import (
+from modeling_pacer.cpu.quantization import (
     Int4Linear, W4A8Linear, W8A8Linear, int4_grid, q4_k_parts, quantize_from_gguf, quantize_linears,
 )
 
@@ -281,7 +283,7 @@ def test_exact_attention_kernel_is_the_torch_rows_computed_alone(monkeypatch):
     """The C++ attention (bf16, one call per layer) against pacer_exact's torch ops, on Qwen2-1.5B's attention
     shape with GQA, a sliding window and a padding row: the same attention to float rounding, and each row of
     a block bitwise its single-query call."""
-    from modeling_pacer import exact_attention
+    from modeling_pacer.cpu import exact_attention
 
     class Attention(torch.nn.Module):
         is_causal = True

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import DynamicCache, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from modeling_pacer.exact_linear import is_exact_linear
+from modeling_pacer.cpu.exact_linear import is_exact_linear
 from modeling_pacer.custom_generate.generate import cache_kwargs
 from modeling_pacer import pairs
 import modeling_pacer.pairs.cli  # noqa: F401  (pairs.cli)

@@ -1,4 +1,4 @@
-"""Weight-only int4/int8 layers (modeling_pacer/quantization.py): the GGUF's Q4_K grid is repacked unchanged
+"""Weight-only int4/int8 layers (modeling_pacer/cpu/quantization.py): the GGUF's Q4_K grid is repacked unchanged
 (against gguf-py's own dequantization), each output row is computed the same way whatever the number of
 rows in the call, a target built from a GGUF file keeps that file's 4-bit codes, and PACER over int4
 targets and drafts returns the target's own greedy output token for token."""
@@ -10,11 +10,12 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from modeling_pacer import FixedLength, enable_pacer, kernels
-from modeling_pacer.exact_attention import make_exact
+from modeling_pacer import FixedLength, enable_pacer
+from modeling_pacer.cpu import kernels
+from modeling_pacer.exact import make_exact
 from modeling_pacer.pairs import PairArguments, load_pair
 from modeling_pacer.pairs.loading import quantize_dynamic_int8
-from modeling_pacer.quantization import (
+from modeling_pacer.cpu.quantization import (
     Int4Linear, Int8Linear, int4_kernel_available, kernel_rows_only, place_on_huge_pages, q4_k_grid, quantize_from_gguf,
     quantize_linears,
 )
@@ -194,7 +195,7 @@ def test_int4_dense_rows_runs_long_calls_on_the_dequantized_weight():
     layer's own grid (close to the kernel's rows, not equal); the copy is no saved state and no bytes a step
     reads; a layer with it is refused by exact_linears (its rows depend on the call's size)."""
     from modeling_pacer.costs import weight_bytes
-    from modeling_pacer.exact_linear import exact_linears
+    from modeling_pacer.cpu.exact_linear import exact_linears
 
     torch.manual_seed(0)
     linear = torch.nn.Linear(96, 64)
@@ -254,7 +255,7 @@ def test_pacer_greedy_equals_int4_target(draft_kind):
     """PACER over an int4 target (every linear layer, LM head included) with an int4 or int8 draft (int4 on
     torch's kernel, with a dense prefill copy, or on pacer's kernel with it, as load_draft makes it): token for
     token the int4 target's own greedy `generate`, several prompts and lengths; "int4-fused": pacer's kernel with
-    the decoder layers fused (modeling_pacer/fused_draft.py), as load_draft makes it."""
+    the decoder layers fused (modeling_pacer/cpu/fused_draft.py), as load_draft makes it."""
     target = enable_pacer(make_exact(quantize_linears(_tiny_qwen2(seed=0).to(torch.bfloat16), "int4")))
     assert isinstance(target.lm_head, Int4Linear)
     draft = _tiny_qwen2(seed=0)
@@ -267,7 +268,7 @@ def test_pacer_greedy_equals_int4_target(draft_kind):
         draft = quantize_linears(draft.to(torch.bfloat16), "int4", dense_rows=None if draft_kind == "int4" else 4,
                                  int4_kernel="pacer" if draft_kind in ("int4-pacer", "int4-fused") else "torch")
         if draft_kind == "int4-fused":
-            from modeling_pacer.fused_draft import fuse_draft_layers
+            from modeling_pacer.cpu.fused_draft import fuse_draft_layers
 
             assert fuse_draft_layers(draft) == 2
     g = torch.Generator().manual_seed(1)

@@ -558,7 +558,7 @@ def run_agreement(args) -> dict:
     """The quantized target's greedy output on each prompt, read by the bf16 target: agreement.json/.md."""
     from tqdm.auto import tqdm
 
-    from modeling_pacer.exact_attention import make_exact
+    from modeling_pacer.exact import make_exact
     from modeling_pacer.pairs import pair_from_args
     from modeling_pacer.pairs.loading import load_model
 

@@ -3,9 +3,9 @@
 No real weights reach a lent GPU, so the models are built from the real configurations' shapes with random weights
 ([`QWEN25_SHAPES`]): cost depends on the shapes alone, and random weights make near-ties common (a stricter test of
 exactness than a trained model's peaked distributions). For each shape and each way to exact verification
-([`modeling_pacer.exact_attention.exact_candidates`], and the model as loaded, "plain"), it measures
+([`modeling_pacer.exact.exact_candidates`], and the model as loaded, "plain"), it measures
 
-- row agreement ([`modeling_pacer.fixed_rows.row_agreement`]): the largest logit difference between a call of
+- row agreement ([`modeling_pacer.gpu.fixed_rows.row_agreement`]): the largest logit difference between a call of
   k = 1..rows tokens and k single steps, after a short and a long prefix, and a prefill's last row (0.0: bitwise);
 - the cost curve: a forward of k = 1..rows tokens after a cached prefix, the median of interleaved rounds, timed with
   the device synchronized ([`modeling_pacer.costs.device_clock`]).
@@ -71,8 +71,8 @@ def measure_device(shapes, settings=SETTINGS, *, device="cuda", dtype=torch.bflo
     """For each shape and setting: row agreement and the cost curve (see the module's docstring). Returns
     `{"shapes": {shape: {setting: {"agreement": {prefix: {k: diff}}, "curve_ms": {k: ms}, "exact": bool}}}}`."""
     from ..costs import device_name, fixed_prefix
-    from ..exact_attention import exact_candidates, undo_exact
-    from ..fixed_rows import row_agreement
+    from ..exact import exact_candidates, undo_exact
+    from ..gpu.fixed_rows import row_agreement
 
     results = {}
     for shape in shapes:

@@ -86,7 +86,7 @@ def model_location(source: ModelSource, pacer_cache=None, *, pair_name: str = DE
 # the target's weight-only quantizations, as quantize_from_gguf's (other, activations): the GGUF's Q4_K tensors
 # stay 4-bit, the rest (Q6_K, the LM head) become int4 (fastest of torch's) or int8 (closer to the file), with
 # bf16 activations on torch's kernels; w4a8: int8 activations on pacer's VNNI kernels (a verification block
-# costs about one step); see modeling_pacer.quantization
+# costs about one step); see modeling_pacer.cpu.quantization
 TARGET_QUANTIZATIONS = {"int4": ("int4", "bfloat16"), "int4+int8": ("int8", "bfloat16"), "w4a8": ("int8", "int8")}
 # the draft's, with how reports name them: dynamic int8 (float32 activations), or int4 weights (bf16 activations)
 DRAFT_QUANTIZATIONS = {"int8": "dynamic-int8", "int4": "int4"}
@@ -202,9 +202,9 @@ def load_pair(
             to int4; "int4+int8" makes the rest int8 (closer to the file, slower); "w4a8" keeps the Q4_K
             tensors exactly (float16 scales too) for pacer's VNNI kernels, int8 activations, the rest int8:
             a verification block of a few tokens costs about one decoding step (AVX512-VNNI and a C++
-            compiler; [`modeling_pacer.kernels`]). Needs a GGUF target (a
+            compiler; [`modeling_pacer.cpu.kernels`]). Needs a GGUF target (a
             registered pair, or a `.gguf` file) and bf16 (`dtype="auto"` picks it).
-            See [`modeling_pacer.quantization.quantize_from_gguf`].
+            See [`modeling_pacer.cpu.quantization.quantize_from_gguf`].
         exact: make the target's verification forward bitwise equal, row for row, to single-token steps
             ([`modeling_pacer.make_exact`]), so greedy speculative decoding reproduces the target's own
             output exactly; the target alone runs the same function. Not with `load_in_8bit_target`.
@@ -257,14 +257,14 @@ def load_pair(
     # models first: on a registry pair this also assembles + converts on first use, which the tokenizer reuses
     target = load_model(spec.target, dtype=dtype, **common, **target_kwargs)
     if quantize_target is not None:
-        from ..quantization import place_on_huge_pages, quantize_from_gguf
+        from ..cpu.quantization import place_on_huge_pages, quantize_from_gguf
 
         gguf_file = source_gguf(spec.target, pacer_cache, pair_name=spec.name) or _hub_gguf(spec.target)
         other, activations = TARGET_QUANTIZATIONS[quantize_target]
         quantize_from_gguf(target, gguf_file, other=other, activations=activations)
         place_on_huge_pages(target)  # its 4-bit weights, streamed once a forward
     if exact:
-        from ..exact_attention import make_exact
+        from ..exact import make_exact
 
         make_exact(target)
     seconds["target"] = time.perf_counter() - t0
@@ -318,9 +318,9 @@ def load_draft(source: ModelSource | str, dtype: torch.dtype, quantize_draft: st
         if quantize_draft == "int8":
             draft_model = quantize_dynamic_int8(draft_model)
         else:
-            from ..quantization import place_on_huge_pages, quantize_linears
+            from ..cpu.quantization import place_on_huge_pages, quantize_linears
 
-            from .. import kernels
+            from ..cpu import kernels
 
             # pacer's int4 kernel where this CPU runs it (about twice torch's speed at one row on a small draft's
             # shapes: benchmarks/results/2026-12-03-draft-int4-kernel), else torch's
@@ -329,12 +329,12 @@ def load_draft(source: ModelSource | str, dtype: torch.dtype, quantize_draft: st
                 dense_rows = None if kernel == "pacer" else DRAFT_DENSE_ROWS
             draft_model = quantize_linears(draft_model, "int4", dense_rows=dense_rows, int4_kernel=kernel)
             place_on_huge_pages(draft_model)  # its int4 weights, streamed once a step
-            from ..fused_draft import fuse_draft_layers
+            from ..cpu.fused_draft import fuse_draft_layers
 
             # and its one-token steps two kernel calls a decoder layer, not ~40 torch operators (Llama / Qwen2)
             fuse_draft_layers(draft_model)
     if "attn_implementation" not in kwargs:  # one the caller names is kept
-        from ..exact_attention import kernel_attention
+        from ..cpu.exact_attention import kernel_attention
 
         kernel_attention(draft_model)  # a bf16 draft on CPU: pacer's attention kernel, cheaper per step than sdpa's
     return draft_model
@@ -379,7 +379,7 @@ def _check_draft_quantization(quantize_draft) -> str | None:
 
 def _check_target_quantization(quantize_target, source: ModelSource, dtype, load_in_8bit_target, device_map) -> None:
     """Clear errors, before anything loads, for a target quantization this target or setting cannot have."""
-    from ..quantization import int4_kernel_available
+    from ..cpu.quantization import int4_kernel_available
 
     if quantize_target not in TARGET_QUANTIZATIONS:
         raise ValueError(f"quantize_target must be one of {sorted(TARGET_QUANTIZATIONS)} or None, got {quantize_target!r}")
@@ -394,7 +394,7 @@ def _check_target_quantization(quantize_target, source: ModelSource, dtype, load
     if device_map not in (None, "cpu"):
         raise ValueError("quantize_target uses torch's CPU kernels: load the pair without device_map")
     if TARGET_QUANTIZATIONS[quantize_target][1] == "int8":
-        from .. import kernels
+        from ..cpu import kernels
 
         if not kernels.available():
             raise ValueError(f"quantize_target={quantize_target!r} needs pacer's VNNI kernels: "

@@ -99,7 +99,7 @@ def test_exact_verification_at_the_qwen_shapes(shape):
     """The done-when: rows of 1..16-token calls (and a prefill) bitwise those of single steps, on the exact target,
     checked after prefixes other than the ones make_exact chose by."""
     from modeling_pacer.benchmarks.device import random_model
-    from modeling_pacer.exact_attention import probe_exact
+    from modeling_pacer.exact import probe_exact
 
     model = make_exact(random_model(shape, torch.bfloat16, CUDA), verify_rows=16)
     assert model._pacer_exact is not None
@@ -116,7 +116,7 @@ def test_cost_model_on_cuda():
 
 
 def test_cpu_kernels_refuse_a_layer_moved_to_cuda():
-    from modeling_pacer.quantization import Int4Linear
+    from modeling_pacer.cpu.quantization import Int4Linear
 
     if CUDA.type == "cpu":
         pytest.skip("the layer is on the CPU")

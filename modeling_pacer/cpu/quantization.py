@@ -196,7 +196,7 @@ def quantized_input(x: torch.Tensor, in_features: int, block: int) -> kernels.Qu
 class W4A8Linear(nn.Module):
     """`y = x W^T + b` over a Q4_K weight kept exactly as the GGUF file stores it (`W = d * sc * q - dmin * m`,
     q in 0..15 in groups of 32, d and dmin per 256), with the activations quantized to int8 per row in blocks of
-    256 (llama.cpp's Q8_K), multiplied by pacer's VNNI kernel ([`modeling_pacer.kernels`]): integer sums,
+    256 (llama.cpp's Q8_K), multiplied by pacer's VNNI kernel ([`modeling_pacer.cpu.kernels`]): integer sums,
     each weight tile unpacked once for all the rows of a call, so a verification block of up to about 8 rows
     costs about one single-token step, and each row's result depends on that row alone."""
 
@@ -330,7 +330,7 @@ def q4_k_parts(blocks, out_features: int, in_features: int) -> tuple[torch.Tenso
     (out, in / 256) float32 (the file's float16 values), with `w = d * sc * codes - dmin * m`."""
     import numpy as np
 
-    from .extras import require
+    from ..extras import require
 
     require("pairs", "Reading a GGUF file's 4-bit weights", ("gguf",))
     from gguf.quants import Q4_K
@@ -412,7 +412,7 @@ def quantize_from_gguf(model: nn.Module, gguf_file: str | os.PathLike, *, other:
     With `activations="bfloat16"` (torch's kernels): Q4_K tensors keep their 4-bit codes ([`Int4Linear`],
     scales rounded to bf16); every other linear layer (Q6_K, Q5_0, Q8_0 or float tensors, and the LM head)
     becomes `other`: "int8" ([`Int8Linear`], one scale per row), "int4" (min-max groups of 32) or "bfloat16"
-    (kept as loaded). With `activations="int8"` (pacer's VNNI kernels, [`modeling_pacer.kernels`]): Q4_K
+    (kept as loaded). With `activations="int8"` (pacer's VNNI kernels, [`modeling_pacer.cpu.kernels`]): Q4_K
     tensors become [`W4A8Linear`] (the file's grid exactly, float16 scales included) and `other` "int8" or
     "int4" becomes [`W8A8Linear`] or W4A8Linear's own min-max form. Embeddings and norms are kept.
     With `check`, each Q4_K layer's weight is compared with the model's loaded weight (transformers'
@@ -421,7 +421,7 @@ def quantize_from_gguf(model: nn.Module, gguf_file: str | os.PathLike, *, other:
 
     Returns how many layers became each kind (`{"int4 (gguf Q4_K)": n, "int8": m, ...}`).
     """
-    from .extras import require
+    from ..extras import require
 
     require("pairs", "Reading a GGUF file's 4-bit weights", ("gguf",))
     from gguf import GGMLQuantizationType, GGUFReader

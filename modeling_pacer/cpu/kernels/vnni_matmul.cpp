@@ -15,7 +15,7 @@
 //     with both inner sums integers.
 //   int8, one scale per output:       w = s * q, q in -127..127:  sum_k x w = s * sum_blocks sx * sum xq q,
 //     computed as u8 x s8 with q + 128 and the correction 128 * sum xq.
-// Built by modeling_pacer/kernels/__init__.py with -march=native -ffp-contract=off (no fused or reordered
+// Built by modeling_pacer/cpu/kernels/__init__.py with -march=native -ffp-contract=off (no fused or reordered
 // float operations beyond the explicit ones below).
 #include <cstdint>
 #include <cmath>

@@ -40,8 +40,8 @@ from pathlib import Path
 
 import torch
 
-from .host import cache_root, private_folder, trusted
-from .resources import write_json
+from ..host import cache_root, private_folder, trusted
+from ..resources import write_json
 
 ROWS_FORMAT = "pacer-rows/1"  # bump when the probe changes: older results are probed again
 PROBE_ROWS = 40  # the largest call probed, so the largest chunk: holds a 20-token draft's verification (21 rows)
@@ -177,7 +177,7 @@ def choose_range(runs: list[RowRange]) -> RowRange | None:
 # --------------------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
 def _cpu() -> tuple:
-    from .host import cpuinfo_field
+    from ..host import cpuinfo_field
 
     flags = cpuinfo_field("flags") or ""
     return (cpuinfo_field("model name") or platform.processor() or platform.machine(),

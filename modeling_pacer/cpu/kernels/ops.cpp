@@ -1,6 +1,6 @@
 // pacer's CPU kernels as torch operators (namespace `pacer`, `torch.ops.pacer.*`): the raw-pointer kernels of
 // vnni_matmul.cpp (the same translation unit, built with the same flags) behind TORCH_LIBRARY schemas, so that
-// torch's dispatcher sees them: FakeTensor/meta kernels (registered from Python, modeling_pacer/kernels/__init__.py)
+// torch's dispatcher sees them: FakeTensor/meta kernels (registered from Python, modeling_pacer/cpu/kernels/__init__.py)
 // let torch.compile trace through them without a graph break. Each wrapper allocates its outputs and hands the
 // kernels the tensors' addresses; the Python side checks shapes, dtypes and that every tensor is in host memory.
 

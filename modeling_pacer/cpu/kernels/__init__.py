@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from ..host import build_once, cache_root, cpuinfo_field, private_folder, trusted
+from ...host import build_once, cache_root, cpuinfo_field, private_folder, trusted
 
 SOURCE = Path(__file__).with_name("vnni_matmul.cpp")  # the kernels (raw pointers)
 OPS = Path(__file__).with_name("ops.cpp")  # their torch operators; includes SOURCE

@@ -31,7 +31,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .custom_generate.generate import cache_kwargs, crop_cache
+from ..custom_generate.generate import cache_kwargs, crop_cache
 
 # the output's cache field (transformers 5.24 renamed `past_key_values` to `cache`)
 _OUTPUT_CACHE = next(f.name for f in dataclasses.fields(CausalLMOutputWithPast) if f.name in ("cache", "past_key_values"))
@@ -130,7 +130,7 @@ def row_agreement(model: nn.Module, prefix: torch.LongTensor, sizes=range(1, 17)
     largest absolute difference between their float32 logits (0.0: bitwise equal). The k tokens are `draft[:, :k]`
     (default: a fixed sequence of ids). Also `"prefill"`: the prefix read in one call, its last row against the same
     prefix read up to its last token and then stepped once."""
-    from .custom_generate.generate import model_forward
+    from ..custom_generate.generate import model_forward
 
     device = next(model.parameters()).device
     prefix = prefix.to(device)
