@@ -15,6 +15,7 @@ from .custom_generate.generate import (
     generate,
     pacer_decoding,
 )
+from .custom_generate.lookup import NgramLookup
 from .custom_generate.policies import (
     POLICIES,
     SVIP,
@@ -72,6 +73,7 @@ __all__ = [
     "host_costs",
     "make_exact",
     "head_policy",
+    "NgramLookup",
     "make_policy",
     "policy_from_dict",
     "pacer_decoding",

@@ -61,7 +61,7 @@ def _rule_settings(text: str) -> dict:
 class _SettingsCheck:
     """A cost model's stand-in while `--rules` settings are checked (the traces carry the real ones)."""
 
-    def step(self, drafted: int, head_calls: int = 0) -> float:
+    def step(self, drafted: int, head_calls: int = 0, free: int = 0) -> float:
         return 1.0
 
 

@@ -28,8 +28,9 @@ class CostModel:
             return self.target_forward[num_tokens]
         return self.target_forward[known] * num_tokens / known  # beyond the measured range: linear
 
-    def step(self, drafted: int, head_calls: int = 0) -> float:
-        return drafted * self.draft_forward + self.target(drafted + 1) + head_calls * self.head_call
+    def step(self, drafted: int, head_calls: int = 0, free: int = 0) -> float:
+        """A step that drafts `drafted` tokens, `free` of them looked up (no draft forward), and verifies them."""
+        return (drafted - free) * self.draft_forward + self.target(drafted + 1) + head_calls * self.head_call
 
     def to_dict(self) -> dict:
         return {"target_forward": self.target_forward, "draft_forward": self.draft_forward, "head_call": self.head_call}

@@ -19,6 +19,7 @@ This folder is published as is as a `custom_generate` repo: its files (this one,
 
 import copy
 import dataclasses
+import functools
 import inspect
 import time
 import warnings
@@ -30,6 +31,7 @@ from transformers.cache_utils import BaseQuantizedLayer, DynamicLayer, LinearAtt
 from transformers.generation.utils import GenerateDecoderOnlyOutput, _speculative_sampling
 
 from .costs import curve_disagrees, fixed_prefix, measure_costs
+from .lookup import NgramLookup
 from .policies import DraftView, ExpectedThroughput, StoppingPolicy, head_policy, make_policy
 from .steps import CACHE_NAMES, cache_kwargs, crop_cache, model_forward  # noqa: F401 - the loop's step functions
 
@@ -49,12 +51,14 @@ class DecodeStep:
         stop_reason: why drafting stopped: the policy's reason (`"head"`, `"confidence"`, ...),
             `"max_draft_length"`, `"budget"` (max_length reached), `"eos"` (the draft proposed EOS), or
             `"prefill"` (the first step: the target reads the prompt and gives the first token, as plain decoding does).
+        free: how many of the drafted tokens were looked up in the sequence (`pacer_lookup`), not drafted.
     """
 
     drafted: int
     accepted: int
     emitted: int
     stop_reason: str
+    free: int = 0
 
 
 @dataclass
@@ -176,6 +180,8 @@ class Proposal:
     stop_reason: str
     view: DraftView | None = None
     hidden: torch.Tensor | None = None
+    free: int = 0  # the first `free` tokens were looked up ([`NgramLookup`]), after a match of `match` tokens
+    match: int = 0
 
 
 def propose(
@@ -191,12 +197,16 @@ def propose(
     stats: PacerStats,
     keep_hidden: bool = False,
     vocab: tuple[int, int] | None = None,
+    lookup: NgramLookup | None = None,
 ) -> Proposal:
     """Draft up to `budget` tokens after `ids` `(1, L)`, asking `policy` after each one. `vocab`: the draft's and the
-    target's vocabulary sizes where they differ (the draft's a prefix of the target's padded one).
+    target's vocabulary sizes (the draft's a prefix of the target's padded one where they differ). `lookup`: open the
+    draft with the tokens that followed the sequence's last few tokens where they occurred before, while such tokens
+    have been accepted at least as often as the draft model's; each costs no forward, and the draft model takes over
+    where they end.
 
     The draft cache may lag behind `ids` (after a fully accepted step it misses the last draft
-    token); the first forward feeds everything it has not seen yet.
+    token; after looked-up tokens, those); each forward feeds everything it has not seen yet.
     """
     device = ids.device
     step_cap = policy.begin_step()
@@ -225,10 +235,40 @@ def propose(
             stats.head_forwards += 1
         return head_cache[k]
 
+    looked_up, match = [], 0
+    if lookup is not None:
+        continuation, match = lookup.continuation(ids[0].tolist())
+        if continuation and lookup.estimate(match) >= lookup.draft_rate():
+            looked_up = continuation
+    free = 0
+
     seq = ids
-    feed = ids[:, draft_cache.get_seq_length() :]
+    fed = draft_cache.get_seq_length()
     padding = vocab[1] - vocab[0] if vocab is not None else 0  # rows of the target's table the draft lacks
     while True:
+        if free < len(looked_up) and free == len(tokens):  # the next looked-up token: a point-mass proposal
+            token = torch.tensor([[looked_up[free]]], device=device)
+            score = torch.full((1, vocab[1]), float("-inf"), device=device)
+            score[0, looked_up[free]] = 0.0
+            tokens.append(token)
+            scores.append(score)
+            probs.append(torch.tensor(lookup.estimate(match), device=device))
+            entropies.append(torch.tensor(0.0, device=device))
+            free += 1
+            seq = torch.cat([seq, token], dim=1)
+            view = DraftView(torch.stack(probs), torch.stack(entropies), None, free, len(looked_up) - free)
+            if int(token) in eos_token_ids:
+                reason = "eos"
+                break
+            reason = policy.stop_reason(view)
+            if reason is not None:
+                break
+            if len(tokens) >= cap:
+                reason = cap_reason
+                break
+            continue
+        feed = seq[:, fed:]
+        fed = seq.shape[1]
         if padding:
             # a target's padding id (never a tokenizer's token) is fed to a draft whose table stops short as its last
             # id: only the draft's context changes, never the output
@@ -250,7 +290,7 @@ def propose(
             states.append(hidden)
         seq = torch.cat([seq, token], dim=1)
 
-        view = DraftView(torch.stack(probs), torch.stack(entropies), acceptance if policy.needs_head else None)
+        view = DraftView(torch.stack(probs), torch.stack(entropies), acceptance if policy.needs_head else None, free)
         if int(token) in eos_token_ids:
             reason = "eos"
             break
@@ -260,10 +300,11 @@ def propose(
         if len(tokens) >= cap:
             reason = cap_reason
             break
-        feed = token
 
     hidden_states = torch.cat(states, dim=1) if states else None
-    return Proposal(torch.cat(tokens, dim=1), torch.stack([s[0] for s in scores], dim=0)[None], reason, view, hidden_states)
+    dtype = functools.reduce(torch.promote_types, [s.dtype for s in scores])  # float32 rows of looked-up tokens
+    return Proposal(torch.cat(tokens, dim=1), torch.stack([s[0].to(dtype) for s in scores], dim=0)[None], reason, view,
+                    hidden_states, free, match)
 
 
 def verify(model, target_cache, ids: torch.LongTensor, proposal: Proposal, logits_processor, stats: PacerStats):
@@ -509,7 +550,7 @@ def _cost_inputs(stopping_policy, head, do_sample) -> tuple | None:
 class _Unmeasured:
     """Stands for a cost model while a rule's settings are checked, before the curve is measured."""
 
-    def step(self, drafted: int, head_calls: int = 0) -> float:
+    def step(self, drafted: int, head_calls: int = 0, free: int = 0) -> float:
         raise RuntimeError("the cost model is not measured yet")
 
 
@@ -568,6 +609,30 @@ def _check_host_costs(model, draft_model, head, max_tokens, costs, stats) -> Non
 _FORGOTTEN: set = set()
 
 
+def _lookup(settings, stopping_policy, head, do_sample, step_callback) -> NgramLookup | None:
+    """This call's own [`NgramLookup`] from `pacer_lookup` (None, True, an instance whose settings are copied, or
+    settings), every setting and the rule it runs under checked before anything is measured."""
+    if settings is None or settings is False:
+        return None
+    if settings is True:
+        lookup = NgramLookup()
+    elif isinstance(settings, dict):
+        lookup = NgramLookup(**settings)
+    elif all(hasattr(settings, a) for a in ("to_dict", "continuation", "update", "estimate")):
+        lookup = NgramLookup(**settings.to_dict())  # a fresh state: one instance can serve concurrent calls
+    else:
+        raise ValueError(f"pacer_lookup must be True, an NgramLookup or its settings (a dict), got {settings!r}.")
+    if step_callback is not None:
+        raise ValueError("pacer_lookup cannot record training data (pacer_step_callback): looked-up tokens have no "
+                         "draft hidden states.")
+    policy = make_policy(stopping_policy, getattr(head, "config", None), _UNMEASURED, do_sample)
+    if policy.needs_head:
+        raise ValueError(f"pacer_lookup proposes tokens no draft forward produced, so no head can read them: the "
+                         f"{policy.name!r} rule reads the head; choose one that does not (e.g. "
+                         "stopping_policy='throughput', the default head's rule).")
+    return lookup
+
+
 def _own_copy(policy):
     """A copy of a policy instance for one `generate` call: calls adapt their own state, so one instance can
     serve concurrent calls. Modules it holds (a learned scorer, say) are shared, not copied."""
@@ -587,10 +652,15 @@ def pacer_decoding(
     pacer_streamer=None,
     pacer_step_callback=None,
     pacer_costs=None,
+    pacer_lookup=None,
     **model_kwargs,
 ):
     """The decoding loop, in the shape of transformers' `custom_generate` callables: `generate`
     prepares the generation config, logits processors and stopping criteria, then calls this.
+
+    `pacer_lookup` (True, an [`NgramLookup`] or its settings as a dict): open each draft with tokens looked up in the
+    sequence so far where its last few tokens occurred before ([`NgramLookup`]: free drafts, no draft forward), under
+    the rule's control; the rule must not read the head (looked-up tokens have no draft hidden states).
 
     `pacer_step_callback(ids, proposal, target_scores, num_accepted)`, if given, sees every step before
     its tokens are emitted (`ids` `(1, L)` the sequence so far, `proposal` a [`Proposal`] with hidden states
@@ -607,6 +677,7 @@ def pacer_decoding(
     do_sample = generation_config.do_sample
     # every check before the first forward, the cost measurement's included
     _check_inputs(model, draft_model, pacer_head, input_ids, generation_config, model_kwargs)
+    lookup = _lookup(pacer_lookup, stopping_policy, pacer_head, do_sample, pacer_step_callback)
     # the head's default rule follows the mode: its config may name another rule for sampled decoding
     measured_here = _cost_inputs(stopping_policy, pacer_head, do_sample) if pacer_costs is None else None
     if measured_here:
@@ -646,7 +717,7 @@ def pacer_decoding(
             budget = generation_config.max_length - ids.shape[1] - 1
             proposal = propose(draft_model, draft_cache, pacer_head, policy, ids, budget, logits_processor,
                                do_sample, eos_token_ids, stats, keep_hidden=pacer_step_callback is not None,
-                               vocab=vocab)
+                               vocab=vocab, lookup=lookup)
         raw_logits, target_scores = verify(model, target_cache, ids, proposal, logits_processor, stats)
         if prefill:
             stats.prefill_time = stats.target_time
@@ -654,6 +725,8 @@ def pacer_decoding(
         k = proposal.tokens.shape[1]
         if not prefill:
             policy.update(proposal.view, num_accepted)
+            if lookup is not None:
+                lookup.update(proposal.match, proposal.free, k, num_accepted)
         prefill = False
         if pacer_step_callback is not None:
             pacer_step_callback(ids, proposal, target_scores, num_accepted)
@@ -669,7 +742,8 @@ def pacer_decoding(
             if bool(stopping_criteria(ids, target_scores[:, i, :]).any()):
                 finished = True
                 break
-        stats.steps.append(DecodeStep(drafted=k, accepted=num_accepted, emitted=emitted, stop_reason=proposal.stop_reason))
+        stats.steps.append(DecodeStep(drafted=k, accepted=num_accepted, emitted=emitted, stop_reason=proposal.stop_reason,
+                                      free=proposal.free))
         if pacer_streamer is not None:
             pacer_streamer.put(ids[0, -emitted:].cpu())
 
@@ -724,7 +798,9 @@ def generate(*args, model=None, **kwargs):
     `out.pacer_policy` with `return_dict_in_generate=True`). With neither of the two this is plain `GenerationMixin.generate` (transformers' own
     assisted generation when `assistant_model` is given). Otherwise transformers prepares everything
     as usual and runs [`pacer_decoding`]; `assistant_model` and `streamer` travel under other names
-    because transformers passes neither to a `custom_generate` callable. `pacer_costs`: this machine's
+    because transformers passes neither to a `custom_generate` callable. `pacer_lookup=True` (or an [`NgramLookup`],
+    or its settings): free drafts looked up in the sequence open each draft ([`pacer_decoding`]; without a head or a
+    rule, the cost-aware rule on the draft's probability decides). `pacer_costs`: this machine's
     `CostModel` for a head whose rule is cost-aware (default: measured once and cached, `host_costs`).
 
     The model comes first, or as the keyword `model`: transformers binds a repo's
@@ -765,6 +841,7 @@ def _generate(
     stopping_policy: "str | StoppingPolicy | None" = None,
     pacer_step_callback=None,
     pacer_costs=None,
+    pacer_lookup=None,
     **kwargs,
 ):
     plain = dict(
@@ -775,6 +852,8 @@ def _generate(
     )
     kwargs.pop("custom_generate", None)  # set when transformers loaded this file as a custom_generate repo
     kwargs.pop("trust_remote_code", None)
+    if pacer_lookup not in (None, False) and pacer_head is None and stopping_policy is None:
+        stopping_policy = ExpectedThroughput.name  # pacer's best rule without a head, on free drafts too
     if pacer_head is None and stopping_policy is None:
         return GenerationMixin.generate(
             model, inputs, stopping_criteria=stopping_criteria, assistant_model=assistant_model, streamer=streamer,
@@ -797,6 +876,7 @@ def _generate(
         pacer_streamer=streamer,
         pacer_step_callback=pacer_step_callback,
         pacer_costs=pacer_costs,
+        pacer_lookup=pacer_lookup,
         **plain,
         **kwargs,
     )

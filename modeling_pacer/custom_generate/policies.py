@@ -31,11 +31,17 @@ class DraftView:
         entropies: `(k,)` entropy (nats) of the draft distribution that produced each token.
         acceptance: callable returning `(k,)` head-predicted P(accept) for the whole draft so far; the
             loop owns the head, counts and times its calls, and caches the answer per length.
+        free: how many of the first tokens were looked up in the sequence ([`NgramLookup`]) rather than drafted:
+            they cost no draft forward, their `token_probs` are the lookup's acceptance estimate and their
+            entropies 0 (a point-mass proposal).
+        free_ahead: looked-up tokens still on offer after these (free too, should drafting go on).
     """
 
     token_probs: torch.Tensor
     entropies: torch.Tensor
     acceptance: Callable[[], torch.Tensor] | None = None
+    free: int = 0
+    free_ahead: int = 0
 
     @property
     def length(self) -> int:
@@ -418,13 +424,14 @@ class ExpectedThroughput(StoppingPolicy):
         c = self._cumulative(draft)
         calls = self._head_calls(k)
         tokens = 1.0 + sum(c)
-        rate_now = tokens / self.costs.step(k, calls)
+        rate_now = tokens / self.costs.step(k, calls, draft.free)
         r = c[-1] / c[-2] if k > 1 and c[-2] > 0 else c[-1]
         expected, c_j = tokens, c[-1]
         for longer in range(k + 1, self.max_draft_length + 1):
             c_j *= r
             expected += c_j
-            if expected / self.costs.step(longer, self._head_calls(longer)) > rate_now:
+            free = draft.free + (min(longer - k, draft.free_ahead) if draft.free == k else 0)  # still looked up
+            if expected / self.costs.step(longer, self._head_calls(longer), free) > rate_now:
                 return None
         return "throughput"
 
