@@ -533,3 +533,24 @@ def test_verdict_names_pacer_the_best_other_and_losslessness(tmp_path):
     summary.append(row("oracle + measured prefills", 2.2))
     line = verdict(summary, tmp_path / "out")
     assert "the oracle with the measured prefills 2.20x" in line and "best other: svip" in line
+
+
+def test_lookup_methods_give_the_targets_output_and_are_not_replayed(tmp_path):
+    """pacer-lookup (free drafts under the cost-aware rule) and transformers' prompt lookup: the target's greedy
+    output on prompts that repeat; llama.cpp's lookup is opt-in like llama.cpp."""
+    from modeling_pacer.benchmarks.methods import LOOKUP_TOKENS
+
+    target, draft = make_pair("llama", "llama", "noisy")
+    costs = CostModel({n: 1.0 + 0.01 * n for n in range(1, 20)}, 0.3)
+    methods = all_methods(costs=costs)
+    assert methods["pacer-lookup"].lookup == LOOKUP_TOKENS["pacer"] and not methods["pacer-lookup"].needs_head
+    assert methods["hf-prompt-lookup"].family == "hf" and methods["llama.cpp-lookup"].opt_in
+    assert "llama.cpp-lookup" not in [m.name for m in select_methods(None, methods)]
+    line = torch.tensor([[5, 17, 33, 2, 61, 8, 40]])
+    for ids in (torch.cat([line, line, line[:, :3]], dim=1), torch.tensor([[4, 9, 4, 9, 4]])):
+        plain = target.generate(ids, max_new_tokens=30, do_sample=False)
+        for name in ("pacer-lookup", "hf-prompt-lookup"):
+            sequences, stats = run_method(methods[name], target, draft, None, ids, 30)
+            assert torch.equal(sequences, plain), name
+    _, stats = run_method(methods["pacer-lookup"], target, draft, None, torch.cat([line, line, line[:, :3]], dim=1), 30)
+    assert sum(s.free for s in stats.steps) > 0

@@ -39,7 +39,7 @@ def test_default_selection_excludes_it_naming_it_selects_it(fake_llama_cpp):
     assert "llama.cpp" not in [m.name for m in select_methods(None, available)]
     assert "llama.cpp" not in [m.name for m in select_methods([], available)]
     assert [m.name for m in select_methods(["target", "llama.cpp"], available)] == ["target", "llama.cpp"]
-    assert [m.name for m in select_methods(["llama*"], available)] == ["llama.cpp"]
+    assert [m.name for m in select_methods(["llama*"], available)] == ["llama.cpp", "llama.cpp-lookup"]
 
 
 def test_missing_library_is_a_clear_error_at_selection(no_llama_cpp):
@@ -245,3 +245,42 @@ def test_a_crash_of_llama_cpp_is_a_reported_failure_not_a_dead_benchmark(pair, m
     assert sorted({r.method for r in records}) == ["fixed-2", "target"] and len(records) == 2 * len(prompts)
     report = write_report(tmp_path / "out", [r.to_dict() for r in records], [], dict(command="x", failed=failures))
     assert "**llama.cpp failed** (no rows): llama.cpp failed: its process died with signal 4 (SIGILL)" in report["table"]
+
+
+def test_each_llama_cpp_method_gets_its_own_runner(pair, fake_llama_cpp, monkeypatch):
+    """llama.cpp and its prompt-lookup decoding run in one benchmark, each on a runner of its own (built once, with
+    the method's lookup setting, closed with the run), both reported with their own numerics."""
+    built = []
+
+    class Built(FakeRunner):
+        def close(self):
+            self.closed = True
+
+    def for_pair(cls, pair_, prompts, max_new_tokens, pacer_cache=None, lookup=0):
+        runner_ = Built(pair.target)
+        built.append((lookup, runner_))
+        return runner_
+
+    monkeypatch.setattr(llamacpp.LlamaCppRunner, "for_pair", classmethod(for_pair))
+    prompts = [("toy", "0", torch.tensor([[3, 1, 4, 1, 5, 3, 1]]))]
+    methods = select_methods(["target", "llama.cpp", "llama.cpp-lookup"], all_methods())
+    records, _ = runner.run_live(pair, None, methods, prompts, NEW)
+    assert sorted(lookup for lookup, _ in built) == [0, 10]
+    assert all(r.calls == 2 and r.closed for _, r in built)  # the warm-up and the prompt, then closed
+    assert {r.method for r in records if r.matches_target is None} == {"llama.cpp", "llama.cpp-lookup"}
+
+
+@pytest.mark.skipif(not REAL_GGUF.is_file(), reason=f"the default pair's GGUF is not at {REAL_GGUF}")
+def test_real_prompt_lookup_run_on_the_default_target():
+    """llama.cpp's prompt-lookup decoding gives llama.cpp's own greedy output (its verification is its greedy
+    sampler's), on a prompt that repeats."""
+    pytest.importorskip("llama_cpp")
+    eos = [151645, 151643]
+    ids = torch.tensor([[750, 75698, 1445, 1648, 750, 75698, 1445, 1648, 750]])
+    plain = llamacpp.LlamaCppRunner(REAL_GGUF, n_ctx=64, eos_token_id=eos, n_threads=1)
+    lookup = llamacpp.LlamaCppRunner(REAL_GGUF, n_ctx=64, eos_token_id=eos, n_threads=1, lookup=10)
+    try:
+        assert lookup.generate(ids, 12).equal(plain.generate(ids, 12))
+    finally:
+        plain.close()
+        lookup.close()

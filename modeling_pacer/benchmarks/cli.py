@@ -237,9 +237,10 @@ def validate(args) -> None:
     head = getattr(args, "head", None)  # run, replay, costs
     if head is not None and not Path(head).exists() and not re.fullmatch(r"[\w.-]+/[\w.-]+", head):
         raise ValueError(f"--head {head}: no such folder, and not a Hub repo id (org/name).")
-    if args.command == "run" and args.do_sample and any(fnmatch.fnmatchcase("llama.cpp", m) for m in args.methods or []):
+    if args.command == "run" and args.do_sample and any(fnmatch.fnmatchcase(name, m) for m in args.methods or []
+                                                         for name in ("llama.cpp", "llama.cpp-lookup")):
         # before the methods are resolved: resolving llama.cpp first asks for its library
-        raise ValueError("--do-sample: the llama.cpp method runs greedy decoding only; leave it out of --methods.")
+        raise ValueError("--do-sample: the llama.cpp methods run greedy decoding only; leave them out of --methods.")
     if args.command in ("run", "replay"):
         chosen = [m.name for m in select_methods(args.methods, all_methods(tuple(args.gammas)))]  # unknown: an error
         if args.command == "run" and "target" not in chosen:
@@ -277,7 +278,7 @@ def validate(args) -> None:
             except ValueError as error:
                 raise ValueError(f"--dtypes: {error} (or one of {sorted(TARGET_QUANTIZATIONS)})") from None
     if args.command == "run":
-        if "llama.cpp" in chosen:  # the target's GGUF file, found (not assembled) before a model loads
+        if {"llama.cpp", "llama.cpp-lookup"} & set(chosen):  # the target's GGUF file, found before a model loads
             from .llamacpp import check_target_args
 
             check_target_args(args)
@@ -414,7 +415,8 @@ def run_replay(args) -> dict:
             raise ValueError(f"{path} holds no cost model: replay needs the costs measured where it was recorded.")
         recorded += [(trace, saved.costs) for trace in saved.traces]
     head = _load_head(args.head)
-    methods = [m for m in _available_methods(args, head, announce=True) if m.policy is not None]
+    # a method that looks tokens up drafts from the live sequence, which a trace does not replay
+    methods = [m for m in _available_methods(args, head, announce=True) if m.policy is not None and not m.lookup]
     rules = [_rule_method(settings) for settings in args.rules]
     if head is None and any(rule.needs_head for rule in rules):
         raise ValueError(f"--rules: {[r.name for r in rules if r.needs_head]} read a head: pass --head.")

@@ -96,11 +96,17 @@ class LlamaCppFailed(RuntimeError):
     """llama.cpp's process died or failed; the message says how (e.g. "signal 4 (SIGILL)") and what to do."""
 
 
-def _serve(connection, model_path: str, n_ctx: int, n_threads: int) -> None:
-    """The child process: one `llama_cpp.Llama`, greedy continuations on request until told to stop."""
+def _serve(connection, model_path: str, n_ctx: int, n_threads: int, lookup: int = 0) -> None:
+    """The child process: one `llama_cpp.Llama`, greedy continuations on request until told to stop; `lookup` > 0:
+    with llama.cpp's prompt-lookup drafts (`LlamaPromptLookupDecoding`, that many tokens a lookup)."""
     llama_cpp = require_llama_cpp()
+    draft = None
+    if lookup:
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        draft = LlamaPromptLookupDecoding(num_pred_tokens=lookup)
     llm = llama_cpp.Llama(model_path=model_path, n_ctx=n_ctx, n_threads=n_threads, n_threads_batch=n_threads,
-                          logits_all=False, verbose=False)
+                          logits_all=draft is not None, draft_model=draft, verbose=False)
     connection.send(("ready", llm.n_ctx()))
     while True:
         request = connection.recv()
@@ -130,7 +136,7 @@ class LlamaCppRunner:
     the previous call, e.g. the warm-up's prompt). A child that dies raises [`LlamaCppFailed`].
     """
 
-    def __init__(self, model_path, n_ctx: int, eos_token_id=None, n_threads: int | None = None):
+    def __init__(self, model_path, n_ctx: int, eos_token_id=None, n_threads: int | None = None, lookup: int = 0):
         import multiprocessing
 
         require_llama_cpp()  # a missing library is a clear error here, not in the child
@@ -139,8 +145,9 @@ class LlamaCppRunner:
         self.eos_token_ids = _eos_ids(eos_token_id)
         context = multiprocessing.get_context("spawn")  # a fresh interpreter: no torch threads forked
         self._connection, child = context.Pipe()
-        self._process = context.Process(target=_serve, args=(child, str(self.model_path), n_ctx, self.n_threads),
-                                        daemon=True)
+        self.lookup = lookup
+        self._process = context.Process(target=_serve, args=(child, str(self.model_path), n_ctx, self.n_threads,
+                                                             lookup), daemon=True)
         self._process.start()
         child.close()
         self._n_ctx = self._receive("ready")
@@ -187,12 +194,12 @@ class LlamaCppRunner:
         return self._n_ctx
 
     @classmethod
-    def for_pair(cls, pair, prompts, max_new_tokens: int, pacer_cache=None) -> LlamaCppRunner:
+    def for_pair(cls, pair, prompts, max_new_tokens: int, pacer_cache=None, lookup: int = 0) -> LlamaCppRunner:
         """A runner on the GGUF of `pair.target_source`, with a context long enough for the longest prompt
-        plus `max_new_tokens`, and the torch target's EOS tokens (its generation config's)."""
+        plus `max_new_tokens` (and a lookup's drafts), and the torch target's EOS tokens (its generation config's)."""
         path = target_gguf(pair.target_source, pacer_cache, pair_name=pair.name)
-        n_ctx = max(ids.shape[-1] for *_, ids in prompts) + max_new_tokens + 1
-        return cls(path, n_ctx, eos_token_id=pair.target.generation_config.eos_token_id)
+        n_ctx = max(ids.shape[-1] for *_, ids in prompts) + max_new_tokens + 1 + lookup
+        return cls(path, n_ctx, eos_token_id=pair.target.generation_config.eos_token_id, lookup=lookup)
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:

@@ -1,6 +1,7 @@
-"""The methods a benchmark compares: the target alone, transformers' assisted generation as shipped,
-every stopping policy of our loop, and (opt-in) plain llama.cpp on the target's GGUF. Each method is one
-`generate` call on the same inputs."""
+"""The methods a benchmark compares: the target alone, transformers' assisted generation as shipped and its prompt
+lookup, every stopping policy of our loop (with free drafts looked up in the sequence, `pacer-lookup`), and (opt-in)
+plain llama.cpp on the target's GGUF, and its prompt-lookup decoding. Each method is one `generate` call on the same
+inputs."""
 
 import copy
 import re
@@ -36,6 +37,8 @@ class Method:
     needs_head: bool = False
     needs_costs: bool = False  # `policy` takes this machine's CostModel (a cost-aware rule)
     costs: object = None  # the CostModel a live run measured; replay passes each trace file's own
+    lookup: int = 0  # > 0: drafts looked up in the sequence, at most this many tokens a lookup (pacer's NgramLookup,
+    # transformers' prompt_lookup_num_tokens, llama.cpp's LlamaPromptLookupDecoding num_pred_tokens)
 
     def make_policy(self, costs=None) -> StoppingPolicy:
         """A fresh policy; a cost-aware one gets `costs`, else the method's own (the live run's)."""
@@ -63,8 +66,14 @@ def _hf(name: str, **assistant_config) -> Method:
 
 
 def _ours(name: str, policy: Callable[..., StoppingPolicy], needs_head: bool = False, costs=None,
-          needs_costs: bool = False) -> Method:
-    return Method(name, "pacer", policy=policy, needs_head=needs_head, needs_costs=needs_costs, costs=costs)
+          needs_costs: bool = False, lookup: int = 0) -> Method:
+    return Method(name, "pacer", policy=policy, needs_head=needs_head, needs_costs=needs_costs, costs=costs,
+                  lookup=lookup)
+
+
+# tokens a lookup proposes: transformers' and llama.cpp's defaults for their prompt lookup are 10; pacer's rule
+# usually stops before its 16
+LOOKUP_TOKENS = {"pacer": 16, "hf": 10, "llamacpp": 10}
 
 
 def all_methods(gammas=(1, 2, 3, 4, 5, 6), head_config=None, costs=None, do_sample: bool = False) -> dict[str, Method]:
@@ -93,7 +102,13 @@ def all_methods(gammas=(1, 2, 3, 4, 5, 6), head_config=None, costs=None, do_samp
         _ours("throughput", lambda c: ExpectedThroughput(c, "draft", longest), costs=costs, needs_costs=True),
         _ours("pacer-throughput", lambda c: ExpectedThroughput(c, "head", longest), needs_head=True, costs=costs,
               needs_costs=True),
+        # free drafts: tokens looked up in the sequence open each draft, the cost-aware rule on the draft's
+        # probability (the default head's) deciding, the draft model extending
+        _ours("pacer-lookup", lambda c: ExpectedThroughput(c, "draft", longest), costs=costs, needs_costs=True,
+              lookup=LOOKUP_TOKENS["pacer"]),
+        Method("hf-prompt-lookup", "hf", lookup=LOOKUP_TOKENS["hf"]),  # transformers' prompt lookup, no draft model
         Method("llama.cpp", "llamacpp"),  # opt-in: plain greedy llama.cpp on the target's GGUF file
+        Method("llama.cpp-lookup", "llamacpp", lookup=LOOKUP_TOKENS["llamacpp"]),  # opt-in: its prompt lookup
     ]
     return {m.name: m for m in methods}
 
@@ -134,18 +149,22 @@ def run_method(method: Method, target, draft, head, input_ids: torch.Tensor, max
     """Generation with `method`: greedy, or with `sampling` (from [`sampling_settings`]) sampled, every method
     then producing exactly `max_new_tokens` tokens. Returns `(sequences (1, L + new), PacerStats or None)`.
 
-    `llamacpp`: the [`LlamaCppRunner`] that the `llama.cpp` method runs (built once per benchmark)."""
+    `llamacpp`: the [`LlamaCppRunner`] that a llama.cpp method runs (built once per benchmark), or one per such
+    method by name."""
     settings = dict(max_new_tokens=max_new_tokens, do_sample=False)
     if sampling is not None:
         if method.family == "llamacpp":
             raise ValueError("the llama.cpp method runs greedy decoding only: leave it out of a sampled benchmark")
         settings.update(sampling, min_new_tokens=max_new_tokens)
     if method.family == "llamacpp":
-        if llamacpp is None:
+        runner = llamacpp.get(method.name) if isinstance(llamacpp, dict) else llamacpp
+        if runner is None:
             raise ValueError("the llama.cpp method needs a LlamaCppRunner (run_live builds one when it is selected)")
-        return llamacpp.generate(input_ids, max_new_tokens), None
+        return runner.generate(input_ids, max_new_tokens), None
     if method.family == "target":
         return GenerationMixin.generate(target, input_ids, **settings), None
+    if method.family == "hf" and method.lookup:  # transformers' prompt lookup: candidates from the prompt, no draft
+        return GenerationMixin.generate(target, input_ids, prompt_lookup_num_tokens=method.lookup, **settings), None
     if method.family == "hf":
         # transformers reads the assisted settings from the draft's own generation config
         saved = copy.deepcopy(draft.generation_config)
@@ -157,6 +176,8 @@ def run_method(method: Method, target, draft, head, input_ids: torch.Tensor, max
             draft.generation_config = saved
     from ..custom_generate.generate import generate
 
+    lookup = dict(max_tokens=method.lookup) if method.lookup else None
     out = generate(target, input_ids, assistant_model=draft, stopping_policy=method.make_policy(),
-                   pacer_head=head if method.needs_head else None, return_dict_in_generate=True, **settings)
+                   pacer_head=head if method.needs_head else None, pacer_lookup=lookup, return_dict_in_generate=True,
+                   **settings)
     return out.sequences, out.pacer_stats

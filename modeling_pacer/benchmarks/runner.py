@@ -116,8 +116,9 @@ def run_live(pair, head, methods: list[Method], prompts, max_new_tokens: int, pr
     index; outputs are then not compared with the target's (draws differ; `matches_target` None, `sampled`
     True) and no oracle is replayed (its trace follows a greedy output), so `traces` is empty.
 
-    `llamacpp`: the [`LlamaCppRunner`] for the `llama.cpp` method; built here from `pair.target_source`
-    (its GGUF file, loaded once, outside the timed region) when that method is selected and none is given.
+    `llamacpp`: the [`LlamaCppRunner`] for the llama.cpp methods (or one per method, by name); built here from
+    `pair.target_source` (its GGUF file, loaded once per method, outside the timed region) when one is selected
+    and none is given.
     Returns `(records, traces)`: a [`Record`] per method and prompt, and the oracle's cheap trace per
     prompt (recorded from the target's own output, outside the timed region). A method whose native library
     dies (llama.cpp's `LlamaCppFailed`) is dropped from the run, with no records, and its message put in
@@ -126,9 +127,10 @@ def run_live(pair, head, methods: list[Method], prompts, max_new_tokens: int, pr
     target, draft = pair.target, pair.draft
     if not any(m.name == "target" for m in methods):
         raise ValueError("The benchmark needs the 'target' method: every speedup is relative to it.")
-    built = None  # a runner built here is closed here (its child process ends with the run)
+    built = {}  # runners built here are closed here (their child processes end with the run)
     if llamacpp is None and any(m.family == "llamacpp" for m in methods):
-        llamacpp = built = LlamaCppRunner.for_pair(pair, prompts, max_new_tokens)
+        llamacpp = built = {m.name: LlamaCppRunner.for_pair(pair, prompts, max_new_tokens, lookup=m.lookup)
+                            for m in methods if m.family == "llamacpp"}
     failures = {} if failures is None else failures
     methods = list(methods)
     meters = [ForwardMeter(target), ForwardMeter(draft)]
@@ -180,8 +182,8 @@ def run_live(pair, head, methods: list[Method], prompts, max_new_tokens: int, pr
     finally:
         for m in meters:
             m.remove()
-        if built is not None:
-            built.close()
+        for runner in built.values():
+            runner.close()
     return records, traces
 
 
