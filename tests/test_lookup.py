@@ -26,9 +26,9 @@ def test_the_longest_most_recent_match_is_copied_on():
     assert lookup.continuation([1, 2, 3, 4, 5]) == ([], 0)  # nothing repeats
     assert lookup.continuation([3, 9, 3]) == ([], 0)  # a single token is below min_ngram
     # a period shorter than the continuation goes on as it went
-    assert NgramLookup(max_tokens=7).continuation([5, 1, 2, 1, 2]) == ([1, 2, 1, 2, 1, 2, 1], 2)
+    assert NgramLookup(min_ngram=2, max_tokens=7).continuation([5, 1, 2, 1, 2]) == ([1, 2, 1, 2, 1, 2, 1], 2)
     # the index grows with the sequence, and another sequence is indexed afresh
-    grown = NgramLookup(max_tokens=3)
+    grown = NgramLookup(min_ngram=2, max_tokens=3)
     assert grown.continuation([4, 5, 6]) == ([], 0)
     assert grown.continuation([4, 5, 6, 9, 4, 5]) == ([6, 9, 4], 2)
     assert grown.continuation([1, 2, 1]) == ([], 0)
@@ -37,7 +37,7 @@ def test_the_longest_most_recent_match_is_copied_on():
 
 
 def test_estimates_follow_the_outcomes():
-    lookup = NgramLookup(decay=1.0)
+    lookup = NgramLookup(min_ngram=2, max_ngram=4, decay=1.0)
     assert lookup.estimate(2) == lookup.draft_rate() == 0.75  # the prior
     lookup.update(match=2, looked_up=4, drafted=6, num_accepted=2)  # 2 of 3 looked-up tokens decided, none drafted
     assert lookup.estimate(2) == pytest.approx((2 + 3) / (3 + 4)) and lookup.draft_rate() == 0.75
@@ -45,6 +45,10 @@ def test_estimates_follow_the_outcomes():
     assert lookup.estimate(2) == pytest.approx((4 + 3) / (5 + 4))
     assert lookup.draft_rate() == pytest.approx((1 + 3) / (2 + 4))
     assert lookup.estimate(4) == 0.75  # another match length: its own estimate
+    assert lookup.worth_trying(4)  # not measured yet: tried
+    lookup.update(match=4, looked_up=3, drafted=3, num_accepted=0)
+    lookup.update(match=4, looked_up=3, drafted=3, num_accepted=0)
+    assert not lookup.worth_trying(4)  # measured, and below the draft's rate
 
 
 def test_the_cost_aware_rule_counts_looked_up_tokens_as_free():
@@ -173,3 +177,21 @@ def test_sampling_with_lookup_is_the_targets_distribution():
     assert 0 < accepted_free < free
     assert _chi_square_p_value(counts, _exact_distribution(target), RUNS) > 1e-3
     assert _chi_square_p_value(counts, _exact_distribution(draft), RUNS) < 1e-6
+
+
+def test_lookup_agreement_counts_what_a_lookup_would_have_had_accepted():
+    """`pacer-bench draft-agreement --lookup`'s count, by hand: prompt 1 2 3 4, output 1 2 3 9 1 2: after "1" (a
+    match of 1) the lookup proposes 2 3 4 1 ... (2 and 3 right, then 9 against 4); after "1 2" it proposes 3 (right);
+    after "1 2 3" 4 (wrong); at "9" nothing is found; after "9 1" the match is "1" again."""
+    from modeling_pacer.benchmarks.agreement import lookup_agreement, summarize_lookups
+
+    counts = lookup_agreement(torch.tensor([[1, 2, 3, 4]]), torch.tensor([1, 2, 3, 9, 1, 2]), cap=4)
+    assert counts["positions"] == 6
+    # positions: after 1 2 3 4 (no match: "4" is new), after ..4 1 (match "1": proposes 2 3 4 1; output 2 3 9: 2
+    # right), after ..1 2 (match "1 2": 3 4 1 2; 3 right then 9), after ..1 2 3 (match 3: proposes 4: wrong), after
+    # ..3 9 (no match), after ..9 1 (match "1": the most recent 1 is at position 4, followed by 2: right)
+    assert counts["by_match"] == {"1": dict(lookups=2, first=2, tokens=3), "2": dict(lookups=1, first=1, tokens=1),
+                                  "3": dict(lookups=1, first=0, tokens=0)}
+    rows = summarize_lookups([dict(dataset="d", prompt_id="0", **counts)])
+    first = {r["match"]: r for r in rows if r["dataset"] == "all"}
+    assert first[1]["found"] == pytest.approx(2 / 6) and first[1]["run"] == 1.5 and first[3]["first"] == 0.0

@@ -80,6 +80,46 @@ def draft_agreement(draft, input_ids: torch.Tensor, output: torch.Tensor, cap: i
     return dict(tokens=n, agreement=same.float().mean().item(), run=runs.mean().item(), nll=nll)
 
 
+def lookup_agreement(input_ids: torch.Tensor, output: torch.Tensor, max_ngram: int = 6, cap: int = 16) -> dict:
+    """How often a lookup in the sequence ([`NgramLookup`], every match length from 1 to `max_ngram`) proposes the
+    target's greedy `output` `(N,)` after `input_ids` `(1, L)`, at each position where one is found: per match length,
+    `lookups`, `first` (how many proposed the next token right) and `tokens` (how many proposed tokens in a row
+    were right, at most `cap`: what a lookup of `cap` tokens would have had accepted there)."""
+    from ..custom_generate.lookup import NgramLookup
+
+    lookup = NgramLookup(max_ngram=max_ngram, min_ngram=1, max_tokens=cap)
+    sequence = input_ids[0].tolist() + output.tolist()
+    start = input_ids.shape[1]
+    counts = {}
+    for i in range(start, len(sequence)):
+        proposed, match = lookup.continuation(sequence[:i])
+        if not proposed:
+            continue
+        right = next((j for j, token in enumerate(proposed[: len(sequence) - i]) if token != sequence[i + j]),
+                     min(len(proposed), len(sequence) - i))
+        c = counts.setdefault(str(match), dict(lookups=0, first=0, tokens=0))
+        c["lookups"] += 1
+        c["first"] += right > 0
+        c["tokens"] += right
+    return dict(positions=len(sequence) - start, by_match=counts)
+
+
+def summarize_lookups(rows: list[dict]) -> list[dict]:
+    """Per dataset (and over all) and match length: lookups found, the share whose first token was the target's, the
+    mean tokens right in a row, and the share of positions where a lookup of that length was found."""
+    out = []
+    for dataset in sorted({r["dataset"] for r in rows}) + ["all"]:
+        part = [r for r in rows if dataset in ("all", r["dataset"])]
+        positions = sum(r["positions"] for r in part)
+        for match in sorted({m for r in part for m in r["by_match"]}, key=int):
+            lookups = sum(r["by_match"].get(match, {}).get("lookups", 0) for r in part)
+            first = sum(r["by_match"].get(match, {}).get("first", 0) for r in part)
+            tokens = sum(r["by_match"].get(match, {}).get("tokens", 0) for r in part)
+            out.append(dict(dataset=dataset, match=int(match), lookups=lookups, found=lookups / positions,
+                            first=first / lookups, run=tokens / lookups))
+    return out
+
+
 def summarize_drafts(rows: list[dict]) -> list[dict]:
     """Per draft and dataset (and over all datasets): prompts, tokens, token-weighted agreement and run."""
     out = []

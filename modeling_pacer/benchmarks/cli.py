@@ -166,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     drafts.add_argument("--max-new-tokens", type=_positive, default=128)
     drafts.add_argument("--batch-size", type=_positive, default=8,
                         help="prompts the (exact) target generates together")
+    drafts.add_argument("--lookup", action="store_true",
+                        help="also: how often a lookup in the sequence (pacer_lookup's free drafts), by match length, "
+                             "proposes the target's next tokens at the positions where one is found")
     drafts.add_argument("--threads", type=_positive, help="torch CPU threads (default: torch's choice)")
     _add_output(drafts, "draft-agreement-out")
 
@@ -604,7 +607,7 @@ def run_draft_agreement(args) -> dict:
     from modeling_pacer.pairs import default_draft_dtype, load_draft, pair_from_args
     from modeling_pacer.training.pipeline import greedy_outputs, pad_token_id
 
-    from .agreement import draft_agreement, summarize_drafts
+    from .agreement import draft_agreement, lookup_agreement, summarize_drafts, summarize_lookups
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -618,7 +621,7 @@ def run_draft_agreement(args) -> dict:
     prompts = list(_prompts(args, pair.tokenizer))
     pad = pad_token_id(pair)
     size = args.batch_size if pair.exact else 1  # only an exact target's batched outputs are its own greedy outputs
-    rows = []
+    rows, lookups = [], []
     with tqdm(total=len(prompts), desc="pacer-bench draft-agreement", unit="prompt") as bar:
         for first in range(0, len(prompts), size):
             batch = prompts[first : first + size]
@@ -627,8 +630,11 @@ def run_draft_agreement(args) -> dict:
                 for name, draft in drafts.items():
                     rows.append(dict(draft=name, dataset=dataset, prompt_id=prompt_id,
                                      **draft_agreement(draft, input_ids, output)))
+                if args.lookup:
+                    lookups.append(dict(dataset=dataset, prompt_id=prompt_id, **lookup_agreement(input_ids, output)))
                 bar.update(1)
     summary = summarize_drafts(rows)
+    lookup_summary = summarize_lookups(lookups) if args.lookup else None
     meta = run_meta(args.argv, pair=pair.name,
                 target=pair.setting, draft_quantization=args.quantize_draft, aligned_draft=aligned,
                 max_new_tokens=args.max_new_tokens, threads=torch.get_num_threads(), torch=torch.__version__)
@@ -642,7 +648,16 @@ def run_draft_agreement(args) -> dict:
              "| draft | dataset | prompts | tokens | next-token agreement | run (of 8) |", "|---|---|---|---|---|---|"]
     lines += [f"| {r['draft']} | {r['dataset']} | {r['prompts']} | {r['tokens']} | {r['agreement']:.3f} | {r['run']:.2f} |"
               for r in summary]
-    (out / "draft_agreement.json").write_text(json.dumps(dict(rows=rows, summary=summary, meta=meta), indent=1))
+    if lookup_summary is not None:
+        lines += ["", "Lookups in the sequence (pacer_lookup's free drafts, every match length, the most recent occurrence, "
+                  "16 tokens): at the positions of the target's output where the last `match` tokens occurred before "
+                  "(found: share of positions), how often the token that followed them then is the target's next "
+                  "(first), and how many in a row are (run).", "",
+                  "| dataset | match | lookups | found | first | run |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['dataset']} | {r['match']} | {r['lookups']} | {r['found']:.1%} | {r['first']:.2f} | "
+                  f"{r['run']:.2f} |" for r in lookup_summary]
+    (out / "draft_agreement.json").write_text(json.dumps(dict(rows=rows, summary=summary, lookups=lookups,
+                                                             lookup_summary=lookup_summary, meta=meta), indent=1))
     (out / "draft_agreement.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     print(f"pacer-bench: wrote {out / 'draft_agreement.json'}, {out / 'draft_agreement.md'}")

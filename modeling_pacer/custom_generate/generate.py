@@ -202,7 +202,7 @@ def propose(
     """Draft up to `budget` tokens after `ids` `(1, L)`, asking `policy` after each one. `vocab`: the draft's and the
     target's vocabulary sizes (the draft's a prefix of the target's padded one where they differ). `lookup`: open the
     draft with the tokens that followed the sequence's last few tokens where they occurred before, while such tokens
-    have been accepted at least as often as the draft model's; each costs no forward, and the draft model takes over
+    are being measured or have been accepted at least as often as the draft model's; each costs no forward, and the draft model takes over
     where they end.
 
     The draft cache may lag behind `ids` (after a fully accepted step it misses the last draft
@@ -238,7 +238,7 @@ def propose(
     looked_up, match = [], 0
     if lookup is not None:
         continuation, match = lookup.continuation(ids[0].tolist())
-        if continuation and lookup.estimate(match) >= lookup.draft_rate():
+        if continuation and lookup.worth_trying(match):
             looked_up = continuation
     free = 0
 
