@@ -221,8 +221,9 @@ def _custom_generate_folder(tmp_path: Path) -> Path:
     source = Path(modeling_pacer.__file__).parent / "custom_generate"
     repo = tmp_path / "pacer-generate"
     (repo / "custom_generate").mkdir(parents=True)
-    for name in ("generate.py", "policies.py", "steps.py", "costs.py"):
-        shutil.copy(source / name, repo / "custom_generate" / name)
+    for module in source.glob("*.py"):  # every module of the folder: one forgotten is a failed import on the Hub
+        if module.name != "__init__.py":
+            shutil.copy(module, repo / "custom_generate" / module.name)
     return repo
 
 
