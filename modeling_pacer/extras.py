@@ -9,11 +9,12 @@ import importlib
 
 # extra -> the modules it provides that pacer imports (pyproject.toml's [project.optional-dependencies])
 EXTRAS = {
-    "pairs": ("gguf", "datasets"),  # the default pair's GGUF parts, and the prompt sets (JSON lines read by datasets)
-    "bench": ("gguf", "datasets", "matplotlib"),  # pacer-bench: the pairs, the prompt sets, the plots
+    # the default pair's GGUF parts (transformers' GGUF loader needs accelerate too), the prompt sets (JSON lines)
+    "pairs": ("gguf", "accelerate", "datasets"),
+    "bench": ("gguf", "accelerate", "datasets", "matplotlib"),  # pacer-bench: the pairs, the prompt sets, the plots
     "train": ("accelerate", "datasets"),  # pacer-train: the Trainer's launcher and the recorded traces
     "align": ("trl", "peft", "accelerate", "datasets"),  # pacer-align, load_pair(aligned_draft=...)
-    "demo": ("gradio", "pandas", "gguf", "datasets"),  # pacer-demo: the Space on the default pair
+    "demo": ("gradio", "pandas", "gguf", "accelerate", "datasets"),  # pacer-demo: the Space on the default pair
     "llamacpp": ("llama_cpp",),  # the llama.cpp baseline method
     "quantization": ("bitsandbytes",),  # bitsandbytes targets and drafts
 }

@@ -102,3 +102,27 @@ def test_the_extras_match_pyproject():
         assert {distribution[m] for m in modules} <= names(extra), extra
     core = " ".join(project["dependencies"])
     assert not any(heavy in core for heavy in ("trl", "peft", "datasets", "gguf", "gradio", "accelerate"))
+
+
+def test_a_gguf_without_accelerate_names_the_pairs_extra(tmp_path):
+    """transformers' GGUF loader needs accelerate: a pairs install lacking it is refused with the extra to install
+    before the file is read (a fresh `pip install -e ".[bench]"` once failed deep inside transformers here)."""
+    code = HIDE.replace(f"HIDDEN = {HIDDEN!r}", "HIDDEN = ['accelerate']") + textwrap.dedent("""
+        import sys
+        from pathlib import Path
+        from test_pairs import write_tiny_gguf
+        from modeling_pacer.extras import MissingExtra
+        from modeling_pacer.pairs.gguf import convert_gguf
+        path = Path(sys.argv[1]) / "tiny.gguf"
+        write_tiny_gguf(path)
+        try:
+            convert_gguf(path, Path(sys.argv[1]) / "converted")
+        except MissingExtra as error:
+            print("refused:", error)
+    """)
+    env = dict(os.environ, PACER_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="1")
+    result = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, env=env,
+                            timeout=300, cwd=Path(__file__).parent)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "refused:" in result.stdout and "pacer-decoding[pairs]" in result.stdout, result.stdout
+    assert not (tmp_path / "converted").exists()

@@ -204,7 +204,7 @@ def convert_gguf(gguf: str | os.PathLike, dest: str | os.PathLike, *, sha256: st
 
     from ..extras import require
 
-    require("pairs", "Converting a GGUF file", ("gguf",))
+    require("pairs", "Converting a GGUF file", ("gguf", "accelerate"))
     gguf, dest = Path(gguf), Path(dest)
     tmp = dest.with_name(f"{dest.name}.{os.getpid()}.partial")
     shutil.rmtree(tmp, ignore_errors=True)

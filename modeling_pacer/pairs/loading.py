@@ -79,7 +79,7 @@ def model_location(source: ModelSource, pacer_cache=None, *, pair_name: str = DE
     if source.parts is not None:
         return str(ensure_converted(source.parts, pacer_cache, pair_name=pair_name)), {}
     if source.gguf_file:
-        require("pairs", f"Loading {source.gguf_file} (a GGUF file, read by transformers' GGUF loader)", ("gguf",))
+        require("pairs", f"Loading {source.gguf_file} (a GGUF file, read by transformers' GGUF loader)", ("gguf", "accelerate"))
     return source.path, ({"gguf_file": source.gguf_file} if source.gguf_file else {})
 
 
