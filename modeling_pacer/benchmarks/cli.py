@@ -33,7 +33,8 @@ from .provenance import run_meta
 # that reproduced that benchmark's ranking (at 32 tokens the prompt's prefill, the same for every method, hides it)
 QUICK_METHODS = ["target", "hf-assisted", "fixed-4", "svip", "specdec++", "pacer"]
 QUICK_NEW_TOKENS = 96
-COMMANDS = ("run", "replay", "merge", "breakdown", "paired", "costs", "agreement", "draft-agreement", "device", "space")
+COMMANDS = ("run", "replay", "merge", "breakdown", "paired", "costs", "agreement", "draft-agreement", "device", "space",
+            "kernel-rows")
 
 
 def _positive(text: str) -> int:
@@ -41,6 +42,17 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def _layer_shape(text: str) -> tuple[int, int]:
+    """`IN x OUT` (e.g. 1536x8960): a linear layer's in_features and out_features."""
+    try:
+        k, n = (int(part) for part in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected IN x OUT, e.g. 1536x8960") from None
+    if k <= 0 or n <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: both sizes must be positive")
+    return k, n
 
 
 def _rule_settings(text: str) -> dict:
@@ -194,6 +206,22 @@ def build_parser() -> argparse.ArgumentParser:
     space.add_argument("--rounds", type=_positive, default=3)
     space.add_argument("--threads", type=_positive, help="torch CPU threads (default: torch's choice)")
     _add_output(space, "space-out")
+
+    from .kernel_rows import KINDS, TARGET_SHAPES
+
+    rows = sub.add_parser("kernel-rows", help="one of pacer's quantized layers (w4a8, w8a8) on this CPU for 1..rows rows: "
+                          "its cost curve, the bandwidth of one row, the best multiply-add rate, and the least ratio "
+                          "that rate allows (what bounds verification of many tokens)")
+    rows.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
+    rows.add_argument("--shapes", nargs="+", type=_layer_shape, default=[list(s) for s in TARGET_SHAPES],
+                      metavar="INxOUT", help="layer shapes (default: the 1.5B target's: 1536x1536 1536x256 1536x8960 "
+                      "8960x1536)")
+    rows.add_argument("--rows", type=_positive, default=16, help="calls of 1..rows rows")
+    rows.add_argument("--repeats", type=_positive, default=15, help="interleaved rounds (the median is reported)")
+    rows.add_argument("--stream-mb", type=_positive, default=256,
+                      help="copies of each layer until their weights pass this many MB, so that they stream from memory")
+    rows.add_argument("--threads", type=_positive, help="torch CPU threads (default: torch's choice)")
+    _add_output(rows, "kernel-rows-out")
     return p
 
 
@@ -228,6 +256,10 @@ def validate(args) -> None:
 
         if args.method not in METHODS or args.method == "target alone":
             raise ValueError(f"--method must be one of {[m for m in METHODS if m != 'target alone']}, got {args.method!r}")
+    if args.command == "kernel-rows":
+        from .kernel_rows import check_shapes
+
+        check_shapes(args.kinds, [tuple(shape) for shape in args.shapes])
     if args.command == "device":
         import torch
 
@@ -762,11 +794,17 @@ def _run_device(args) -> dict:
     return run_device(args)
 
 
+def _run_kernel_rows(args) -> dict:
+    from .kernel_rows import run_kernel_rows
+
+    return run_kernel_rows(args)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     result = {"run": run, "replay": run_replay, "merge": run_merge, "breakdown": run_breakdown, "paired": run_paired, "costs": run_costs,
               "agreement": run_agreement, "draft-agreement": run_draft_agreement, "device": _run_device,
-              "space": _run_space}[args.command](args)
+              "space": _run_space, "kernel-rows": _run_kernel_rows}[args.command](args)
     lost = [r for r in result.get("summary", []) if r.get("dataset") == "all" and r.get("mismatches")]
     if lost:  # the report is written, but a method that changed the target's output is a failure
         print(f"pacer-bench: NOT LOSSLESS: {[r['method'] for r in lost]} changed the target's output", file=sys.stderr)

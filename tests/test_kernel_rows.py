@@ -1,0 +1,50 @@
+"""`pacer-bench kernel-rows`: the per-layer row curve of pacer's quantized kernels (structure and arithmetic, not speed)."""
+
+import json
+
+import pytest
+
+from modeling_pacer.benchmarks import cli
+from modeling_pacer.benchmarks.kernel_rows import markdown, measure_rows
+from modeling_pacer.cpu import kernels
+
+
+@pytest.mark.skipif(not kernels.available(), reason=f"VNNI kernels: {kernels.unavailable_reason()}")
+def test_kernel_rows_writes_each_layers_curve_and_its_bound(tmp_path):
+    out = tmp_path / "rows"
+    assert cli.main(["kernel-rows", "--shapes", "256x32", "--rows", "3", "--repeats", "2", "--stream-mb", "1",
+                     "--threads", "1", "--out", str(out)]) == 0
+    report = json.loads((out / "kernel-rows.json").read_text())
+    assert report["command"].startswith("pacer-bench kernel-rows --shapes 256x32")
+    assert [(e["kind"], e["in_features"], e["out_features"]) for e in report["layers"]] == [("w4a8", 256, 32),
+                                                                                         ("w8a8", 256, 32)]
+    for entry in report["layers"]:
+        ms = {int(r): v for r, v in entry["ms"].items()}
+        assert sorted(ms) == [1, 2, 3] and all(v > 0 for v in ms.values())
+        assert entry["copies"] >= 2  # 1 MB of copies of a layer of a few kB: the weights stream
+        assert entry["ratio"]["1"] == 1.0
+        rate = {int(r): v for r, v in entry["macs_per_ns"].items()}
+        assert entry["peak_macs_per_ns"] == max(rate.values())
+        for r in ms:  # the bound: the weights read once, the dot products at the best rate seen
+            assert rate[r] == pytest.approx(256 * 32 * r / (ms[r] * 1e6))
+            assert entry["bound"][str(r)] == pytest.approx(max(ms[1], 256 * 32 * r / (entry["peak_macs_per_ns"] * 1e6)) / ms[1])
+            assert 1.0 <= entry["bound"][str(r)] <= max(1.0, entry["ratio"][str(r)]) + 1e-9  # the rate seen is <= peak
+    assert "| w4a8 256x32 |" in (out / "kernel-rows.md").read_text()
+
+
+def test_measure_rows_reports_the_bandwidth_of_one_row(monkeypatch):
+    if not kernels.available():
+        pytest.skip(f"VNNI kernels: {kernels.unavailable_reason()}")
+    entry = measure_rows("w8a8", 256, 16, rows=2, repeats=1, stream_bytes=1)
+    assert entry["copies"] == 1
+    assert entry["gb_per_s"] == pytest.approx(entry["weight_bytes"] / (entry["ms"][1] * 1e6))
+    assert markdown(dict(layers=[entry], command="c", host={"cpu": "x"}, threads=1, amx=False, vnni=True)).count("| w8a8 256x16 |") == 1
+
+
+@pytest.mark.parametrize("shape, problem", [("100x64", "divisible by 256"), ("256x20", "out_features by 16"),
+                                            ("1536by3", "expected IN x OUT"), ("0x16", "positive")])
+def test_kernel_rows_refuses_shapes_the_kernels_do_not_take(shape, problem, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["kernel-rows", "--shapes", shape, "--out", str(tmp_path / "o")])
+    assert problem in capsys.readouterr().err
+    assert not (tmp_path / "o" / "kernel-rows.json").exists()
