@@ -197,8 +197,9 @@ class W4A8Linear(nn.Module):
     """`y = x W^T + b` over a Q4_K weight kept exactly as the GGUF file stores it (`W = d * sc * q - dmin * m`,
     q in 0..15 in groups of 32, d and dmin per 256), with the activations quantized to int8 per row in blocks of
     256 (llama.cpp's Q8_K), multiplied by pacer's VNNI kernel ([`modeling_pacer.cpu.kernels`]): integer sums,
-    each weight tile unpacked once for all the rows of a call, so a verification block of up to about 8 rows
-    costs about one single-token step, and each row's result depends on that row alone."""
+    each weight tile unpacked once for all the rows of a call, so a verification block of a few rows costs
+    about one single-token step (until its dot products bound it: `pacer-bench kernel-rows`), and each row's
+    result depends on that row alone."""
 
     int8_activations = True  # each call's rows are quantized to int8 (row by row: rows stay independent)
 

@@ -86,7 +86,7 @@ def model_location(source: ModelSource, pacer_cache=None, *, pair_name: str = DE
 # the target's weight-only quantizations, as quantize_from_gguf's (other, activations): the GGUF's Q4_K tensors
 # stay 4-bit, the rest (Q6_K, the LM head) become int4 (fastest of torch's) or int8 (closer to the file), with
 # bf16 activations on torch's kernels; w4a8: int8 activations on pacer's VNNI kernels (a verification block
-# costs about one step); see modeling_pacer.cpu.quantization
+# of a few tokens costs about one step); see modeling_pacer.cpu.quantization
 TARGET_QUANTIZATIONS = {"int4": ("int4", "bfloat16"), "int4+int8": ("int8", "bfloat16"), "w4a8": ("int8", "int8")}
 # the draft's, with how reports name them: dynamic int8 (float32 activations), or int4 weights (bf16 activations)
 DRAFT_QUANTIZATIONS = {"int8": "dynamic-int8", "int4": "int4"}
@@ -435,8 +435,8 @@ class PairArguments:
         default=None,
         metadata={"help": "keep a GGUF target's 4-bit weights 4-bit: int4 (torch's CPU int4 kernel, bf16 "
                           "activations; the rest, Q6_K and the LM head, requantized to int4), int4+int8 (the rest "
-                          "int8), or w4a8 (pacer's VNNI kernels, int8 activations: a verification block of up to "
-                          "about 8 tokens costs about one step; the rest int8)",
+                          "int8), or w4a8 (pacer's VNNI kernels, int8 activations: a verification block of a few "
+                          "tokens costs about one step; the rest int8)",
                   "choices": tuple(TARGET_QUANTIZATIONS)},
     )
 

@@ -4,9 +4,10 @@ fake kernels for torch.compile), compiled for this CPU and this torch on first u
 torch's CPU int4 and int8 weight-only kernels compute in float, one multiply-add per weight and row, so their
 cost grows with the rows of a call (a verification block of 8 tokens costs about 3.5 single steps over the
 4-bit target). The W4A8/W8A8 kernels quantize the activations to int8 and multiply with VNNI's integer dot
-products, unpacking each weight tile once for all the rows of a call: up to about 8 rows cost about one weight
-read. Integer sums are exact and each row runs the same instructions whatever the call's size or thread count, so
-their results are row-invariant by construction (still probed where they run, like every exact layer).
+products, unpacking each weight tile once for all the rows of a call: a few rows cost about one weight read,
+until the dot products bound the call (from about 4 to 8 rows, by host: `pacer-bench kernel-rows`). Integer sums
+are exact and each row runs the same instructions whatever the call's size or thread count, so their results are
+row-invariant by construction (still probed where they run, like every exact layer).
 
 [`int4_matmul`] is a draft's: torch's int4 grid (groups of 32) times activations quantized to int8 per row in blocks
 of 32, on the same VNNI dot products; at one row on a 0.5B draft's shapes it runs at two to three times the speed of

@@ -2,10 +2,11 @@
 //
 // y[r, n] = sum_k x[r, k] w[n, k] for a few rows r (a decoding step, a verification block). The weights are
 // read once per call whatever the number of rows: each 16-output x 32-input tile is unpacked into registers
-// once and multiplied into every row of the call (vpdpbusd: 64 u8 x s8 products an instruction), so up to ~8 rows
-// cost about one weight read. Integer sums are exact, and every row goes through the same instructions in
-// the same order whatever the call's size and the thread count (threads split the outputs, never the
-// sum over k): a row's result depends on the row alone, by construction, on every CPU that runs this file.
+// once and multiplied into every row of the call (vpdpbusd: 64 u8 x s8 products an instruction), so a few rows
+// cost about one weight read, until the dot products bound the call (from about 4 to 8 rows, by host). Integer
+// sums are exact, and every row goes through the same instructions in the same order whatever the call's size
+// and the thread count (threads split the outputs, never the sum over k): a row's result depends on the row
+// alone, by construction, on every CPU that runs this file.
 //
 // Activations: each row is quantized in blocks of inputs to int8, xq = rint(x * 127 / amax), with one float
 // scale sx = amax / 127 per block: 256 for the Q4_K weights (llama.cpp's Q8_K), 32 for the int8 ones. Weights:
