@@ -7,6 +7,7 @@
     pacer-bench replay traces.safetensors --head path/to/head  # evaluate stopping rules without the models
     pacer-bench merge a/results.json b/results.json --out all  # one report from runs split by dataset
     pacer-bench costs --dtypes bfloat16 float32 --out costs    # this machine's cost curves, measured and plotted
+    pacer-bench kernel-rows --rows 16                          # one quantized layer at 1..16 rows: what bounds verification
     pacer-bench agreement --quantize-target int4 --n 10        # a quantized target's greedy agreement with bf16
     pacer-bench draft-agreement --quantize-draft --aligned-draft adapters/qwen2.5-coder-0.5b-aligned   # before/after
 
