@@ -227,7 +227,10 @@ def test_a_crash_of_llama_cpp_is_a_reported_failure_not_a_dead_benchmark(pair, m
     flags, and run_live drops that method, keeps every other row and says why in `failures`."""
     (tmp_path / "llama_cpp.py").write_text(CRASHING_LLAMA_CPP)
     monkeypatch.syspath_prepend(str(tmp_path))  # the spawned child gets this sys.path too
-    monkeypatch.delitem(sys.modules, "llama_cpp", raising=False)
+    # recorded whether or not it is there, so that the crashing module imported below leaves with the test (a
+    # later test's importorskip once found it and ran llama.cpp's real tests where llama-cpp-python is absent)
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)
+    del sys.modules["llama_cpp"]
     crashing = llamacpp.LlamaCppRunner(tmp_path / "model.gguf", n_ctx=64, n_threads=1)
     ids = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(0))
     with pytest.raises(llamacpp.LlamaCppFailed, match=r"signal 4 \(SIGILL\).*GGML_NATIVE=OFF"):
