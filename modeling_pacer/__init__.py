@@ -32,6 +32,8 @@ from .custom_generate.policies import (
     policy_from_dict,
 )
 from .costs import CostModel, host_costs
+from .custom_generate.steps import new_cache
+from .gpu.captured import capture, captured_calls, uncapture
 from .exact import make_exact  # importing registers attn_implementation="pacer_exact" (cpu/exact_attention.py)
 from .cpu.exact_linear import exact_linears
 from .modeling_pacer import PacerHead, PacerHeadOutput
@@ -50,6 +52,10 @@ def enable_pacer(model):
 
 
 __all__ = [
+    "capture",
+    "captured_calls",
+    "uncapture",
+    "new_cache",
     "POLICIES",
     "SVIP",
     "Confidence",

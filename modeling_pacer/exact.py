@@ -71,6 +71,7 @@ def undo_exact(model: torch.nn.Module, attention: str, forward=None) -> torch.nn
     elif "forward" in vars(model):
         del model.forward
     _undo_rows_alone(model, attention)
+    vars(model).pop("_pacer_cache_slack", None)
     model._pacer_exact = None
     return model
 

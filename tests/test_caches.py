@@ -218,7 +218,6 @@ def test_passed_cache_refused_before_any_forward(llama, forwards, keyword, build
 @pytest.mark.parametrize(
     "implementation, extra, message",
     [
-        ("static", {}, r"cache_implementation='static' \(passed to generate\) is not supported.*DynamicCache"),
         ("offloaded_static", {}, r"cache_implementation='offloaded_static'.*offloaded cache"),
         ("sliding_window", {}, r"cache_implementation='sliding_window'.*DynamicCache"),
         # the default backend (quanto) is not installed: refused before transformers asks for it
@@ -226,7 +225,7 @@ def test_passed_cache_refused_before_any_forward(llama, forwards, keyword, build
         ("quantized", {"cache_config": {"backend": "fp8"}}, r"cache_implementation='quantized'.*DynamicCache"),
         ("offloaded", {}, r"cache_implementation='offloaded'.*offloaded cache.*cache_implementation='dynamic'"),
     ],
-    ids=["static", "offloaded_static", "sliding_window", "quantized", "quantized-fp8", "offloaded"],
+    ids=["offloaded_static", "sliding_window", "quantized", "quantized-fp8", "offloaded"],
 )
 def test_cache_implementation_refused_before_any_forward(llama, forwards, implementation, extra, message):
     with pytest.raises(ValueError, match=message):
@@ -237,9 +236,9 @@ def test_cache_implementation_refused_before_any_forward(llama, forwards, implem
 def test_cache_implementation_from_the_models_generation_config(llama, forwards):
     target, _ = llama
     saved = target.generation_config.cache_implementation
-    target.generation_config.cache_implementation = "static"
+    target.generation_config.cache_implementation = "quantized"
     try:
-        with pytest.raises(ValueError, match=r"'static' \(in the model's generation_config\).*'dynamic'"):
+        with pytest.raises(ValueError, match=r"'quantized' \(in the model's generation_config\).*'dynamic'"):
             _pacer(llama)
         assert not forwards
         # overriding it per call, as the message says, works

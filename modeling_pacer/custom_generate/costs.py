@@ -8,9 +8,8 @@ import time
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
 
-from .steps import crop_cache, model_forward
+from .steps import crop_cache, model_forward, new_cache
 
 
 @dataclass
@@ -90,8 +89,8 @@ def measure_costs(target, draft, head, input_ids: torch.Tensor, max_tokens: int,
     tokens, the draft for one (none: `draft` None, its cost 0), the head over a `max_tokens - 1` draft. Every tensor
     made here follows the device and dtype of the model that reads it, and the clock waits for those devices
     ([`device_clock`])."""
-    def after_prefix(model):
-        cache = DynamicCache(config=model.config)
+    def after_prefix(model):  # over the cache the loop gives it (a captured model's static one)
+        cache = new_cache(model, input_ids.shape[1] + max_tokens + 1)
         model_forward(model, input_ids, cache, 1)
         return cache
 

@@ -17,6 +17,7 @@ This folder is published as is as a `custom_generate` repo: its files (this one,
 `modeling_pacer.enable_pacer(model)` binds as `model.generate`.
 """
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -33,7 +34,10 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput, _speculativ
 from .costs import curve_disagrees, fixed_prefix, measure_costs
 from .lookup import NgramLookup
 from .policies import DraftView, ExpectedThroughput, StoppingPolicy, head_policy, make_policy
-from .steps import CACHE_NAMES, cache_kwargs, crop_cache, model_forward  # noqa: F401 - the loop's step functions
+from .steps import (  # noqa: F401 - the loop's step functions
+    CACHE_NAMES, cache_kwargs, cache_length, crop_cache, is_static_full_attention, model_forward, new_cache,
+    wants_static_cache,
+)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -198,6 +202,7 @@ def propose(
     keep_hidden: bool = False,
     vocab: tuple[int, int] | None = None,
     lookup: NgramLookup | None = None,
+    draft_offset: int = 0,
 ) -> Proposal:
     """Draft up to `budget` tokens after `ids` `(1, L)`, asking `policy` after each one. `vocab`: the draft's and the
     target's vocabulary sizes (the draft's a prefix of the target's padded one where they differ). `lookup`: open the
@@ -206,7 +211,8 @@ def propose(
     where they end.
 
     The draft cache may lag behind `ids` (after a fully accepted step it misses the last draft
-    token; after looked-up tokens, those); each forward feeds everything it has not seen yet.
+    token; after looked-up tokens, those); each forward feeds everything it has not seen yet. It holds the sequence
+    from `draft_offset` on (a draft window: the draft never read the prompt's first `draft_offset` tokens).
     """
     device = ids.device
     step_cap = policy.begin_step()
@@ -243,7 +249,7 @@ def propose(
     free = 0
 
     seq = ids
-    fed = draft_cache.get_seq_length()
+    fed = draft_offset + cache_length(draft_cache)
     padding = vocab[1] - vocab[0] if vocab is not None else 0  # rows of the target's table the draft lacks
     while True:
         if free < len(looked_up) and free == len(tokens):  # the next looked-up token: a point-mass proposal
@@ -314,7 +320,7 @@ def verify(model, target_cache, ids: torch.LongTensor, proposal: Proposal, logit
     next-token distribution after `ids + d_1..d_i`.
     """
     k = proposal.tokens.shape[1]
-    feed = torch.cat([ids[:, target_cache.get_seq_length() :], proposal.tokens], dim=1)
+    feed = torch.cat([ids[:, cache_length(target_cache) :], proposal.tokens], dim=1)
     with _Timer(stats, "target", model.device):
         logits, _ = model_forward(model, feed, target_cache, k + 1)
     stats.target_forwards += 1
@@ -356,9 +362,11 @@ def _given_cache(model_kwargs: dict):
 
 # `cache_implementation`s that give a rollback-able DynamicCache ("hybrid": transformers reads it as unset)
 _DYNAMIC_CACHE_IMPLEMENTATIONS = (None, "dynamic", "hybrid")
+# ... and the static one: PACER then builds and sizes both static caches itself (`new_cache`)
+_STATIC = "static"
 _USE_INSTEAD = (
-    "Leave `cache_implementation` unset (or pass cache_implementation='dynamic'), and pass no cache or an empty "
-    "DynamicCache"
+    "Leave `cache_implementation` unset (or pass cache_implementation='dynamic' or 'static'), and pass no cache or an "
+    "empty DynamicCache"
 )
 _OFFLOADING = (
     "its roll-back of the cache after every rejected draft is not verified with transformers' CUDA-stream "
@@ -367,16 +375,34 @@ _OFFLOADING = (
 
 
 def _check_cache_implementation(implementation, source: str) -> None:
-    """Refuse a `cache_implementation` other than the dynamic one before transformers builds the cache (a
-    quantized one would otherwise fail on a missing backend package before PACER sees it)."""
-    if implementation in _DYNAMIC_CACHE_IMPLEMENTATIONS:
+    """Refuse a `cache_implementation` other than the dynamic or the static one before transformers builds the cache
+    (a quantized one would otherwise fail on a missing backend package before PACER sees it)."""
+    if implementation in _DYNAMIC_CACHE_IMPLEMENTATIONS or implementation == _STATIC:
         return
     if "offloaded" in str(implementation):
         why = f"PACER decoding does not support an offloaded cache: {_OFFLOADING}"
     else:
-        why = ("PACER decoding rolls the KV caches back after every rejected draft, which needs a DynamicCache, "
-               "not a static or quantized one")
+        why = ("PACER decoding rolls the KV caches back after every rejected draft, which needs a DynamicCache or a "
+               "static cache of full-attention layers, not a quantized or sliding-window static one")
     raise ValueError(f"cache_implementation={implementation!r} ({source}) is not supported: {why}. {_USE_INSTEAD}.")
+
+
+def _static_mode(model, draft_model, generation_config) -> bool:
+    """Whether PACER decodes over static caches: asked for (`cache_implementation="static"`), or a model's steps are
+    captured ([`modeling_pacer.capture`]), which run over a static cache only."""
+    return (generation_config.cache_implementation == _STATIC or wants_static_cache(model)
+            or wants_static_cache(draft_model))
+
+
+def _check_static(model) -> None:
+    """A static cache of `model` PACER can roll back: full-attention layers only (a sliding-window static layer keeps
+    a ring whose overwritten keys a rejected draft would need back)."""
+    if not model._supports_default_dynamic_cache():
+        raise ValueError(f"PACER decoding over a static cache needs a model of attention layers; {type(model).__name__} "
+                         "keeps its own recurrent state, which cannot be rolled back after a rejected draft.")
+    if not is_static_full_attention(new_cache(model, 1, static=True)):
+        raise ValueError(f"PACER decoding over a static cache supports full-attention layers only; {type(model).__name__}"
+                         " has sliding-window or other layers. Use the dynamic cache (leave cache_implementation unset).")
 
 
 def _check_cache(model, cache) -> None:
@@ -398,7 +424,8 @@ def _check_cache(model, cache) -> None:
         raise ValueError(
             f"PACER decoding needs a DynamicCache it can roll back after a rejected draft; got a {type(cache).__name__}"
             f"{' with ' + ', '.join(kinds) if kinds else ''}. "
-            f"{_USE_INSTEAD} (no static, quantized or linear-attention cache)."
+            f"{_USE_INSTEAD} (a static cache is asked for with cache_implementation='static': PACER sizes it itself; "
+            "no quantized or linear-attention cache)."
         )
     if getattr(cache, "offloading", False):
         raise ValueError(
@@ -515,8 +542,12 @@ def _check_inputs(model, draft_model, head, input_ids, generation_config, model_
     if mask is not None and not bool((mask == 1).all()):
         raise ValueError("PACER decoding does not support padded inputs (attention_mask with zeros).")
     _check_cache_implementation(generation_config.cache_implementation, "in the generation config")
-    _check_cache(model, _given_cache(model_kwargs))
-    _check_cache(draft_model, None)
+    if _static_mode(model, draft_model, generation_config):
+        _check_static(model)  # the cache transformers prepared is not used: PACER sizes both static caches
+        _check_static(draft_model)
+    else:
+        _check_cache(model, _given_cache(model_kwargs))
+        _check_cache(draft_model, None)
 
 
 def _check_policy(policy, head) -> None:
@@ -640,6 +671,25 @@ def _own_copy(policy):
     return copy.deepcopy(policy, shared)
 
 
+def _draft_offset(window, prompt_length: int) -> int:
+    """How many of the prompt's first tokens the draft never reads (`pacer_draft_window`), checked."""
+    if window is None:
+        return 0
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"pacer_draft_window must be a number of tokens >= 1 (or None: the whole prompt), got {window!r}.")
+    return max(0, prompt_length - window)
+
+
+def _one_call_at_a_time(*models) -> contextlib.ExitStack:
+    """Hold the lock of every captured model among `models` ([`modeling_pacer.capture`]), in the order given."""
+    stack = contextlib.ExitStack()
+    for model in models:
+        lock = getattr(model, "_pacer_capture_lock", None)
+        if lock is not None:
+            stack.enter_context(lock)
+    return stack
+
+
 def pacer_decoding(
     model,
     input_ids: torch.LongTensor,
@@ -653,6 +703,7 @@ def pacer_decoding(
     pacer_step_callback=None,
     pacer_costs=None,
     pacer_lookup=None,
+    pacer_draft_window=None,
     **model_kwargs,
 ):
     """The decoding loop, in the shape of transformers' `custom_generate` callables: `generate`
@@ -661,6 +712,10 @@ def pacer_decoding(
     `pacer_lookup` (True, an [`NgramLookup`] or its settings as a dict): open each draft with tokens looked up in the
     sequence so far where its last few tokens occurred before ([`NgramLookup`]: free drafts, no draft forward), under
     the rule's control; the rule must not read the head (looked-up tokens have no draft hidden states).
+
+    `pacer_draft_window` (an int K): the draft reads only the prompt's last K tokens, so its prefill costs K tokens
+    whatever the prompt's length; lossless as any draft is (the target verifies every token), at some cost in
+    acceptance where the draft would have needed the rest.
 
     `pacer_step_callback(ids, proposal, target_scores, num_accepted)`, if given, sees every step before
     its tokens are emitted (`ids` `(1, L)` the sequence so far, `proposal` a [`Proposal`] with hidden states
@@ -677,97 +732,105 @@ def pacer_decoding(
     do_sample = generation_config.do_sample
     # every check before the first forward, the cost measurement's included
     _check_inputs(model, draft_model, pacer_head, input_ids, generation_config, model_kwargs)
+    draft_offset = _draft_offset(pacer_draft_window, input_ids.shape[1])
     lookup = _lookup(pacer_lookup, stopping_policy, pacer_head, do_sample, pacer_step_callback)
-    # the head's default rule follows the mode: its config may name another rule for sampled decoding
-    measured_here = _cost_inputs(stopping_policy, pacer_head, do_sample) if pacer_costs is None else None
-    if measured_here:
-        pacer_costs = _host_costs(model, draft_model, *measured_here)
-    policy = make_policy(stopping_policy, head_config, pacer_costs, do_sample)
-    if policy is stopping_policy:
-        policy = _own_copy(policy)
-    _check_policy(policy, pacer_head)
-    policy.reset()
+    with _one_call_at_a_time(model, draft_model):  # a captured model's graphs and static caches are shared
+        # the head's default rule follows the mode: its config may name another rule for sampled decoding
+        measured_here = _cost_inputs(stopping_policy, pacer_head, do_sample) if pacer_costs is None else None
+        if measured_here:
+            pacer_costs = _host_costs(model, draft_model, *measured_here)
+        policy = make_policy(stopping_policy, head_config, pacer_costs, do_sample)
+        if policy is stopping_policy:
+            policy = _own_copy(policy)
+        _check_policy(policy, pacer_head)
+        policy.reset()
 
-    stats = PacerStats(policy=repr(policy), target_exact=getattr(model, "_pacer_exact", None))
-    start = time.perf_counter()
-    eos = generation_config._eos_token_tensor
-    eos_token_ids = set(eos.flatten().tolist()) if eos is not None else set()
-    want_scores = generation_config.return_dict_in_generate and generation_config.output_scores
-    want_logits = generation_config.return_dict_in_generate and generation_config.output_logits
-    all_scores, all_logits = [], []
+        stats = PacerStats(policy=repr(policy), target_exact=getattr(model, "_pacer_exact", None))
+        start = time.perf_counter()
+        eos = generation_config._eos_token_tensor
+        eos_token_ids = set(eos.flatten().tolist()) if eos is not None else set()
+        want_scores = generation_config.return_dict_in_generate and generation_config.output_scores
+        want_logits = generation_config.return_dict_in_generate and generation_config.output_logits
+        all_scores, all_logits = [], []
 
-    target_cache = _given_cache(model_kwargs) or DynamicCache(config=model.config.get_text_config(decoder=True))
-    draft_cache = DynamicCache(config=draft_model.config.get_text_config(decoder=True))
-    for cache in (target_cache, draft_cache):
-        cache.activate_past_recording()  # sliding-window layers keep what a rejected draft needs back
-    if pacer_streamer is not None:
-        pacer_streamer.put(input_ids.cpu())
-
-    ids = input_ids
-    vocab = (_vocab_size(draft_model), _vocab_size(model))
-    finished = False
-    prefill = True
-    while not finished:
-        if prefill:
-            # the first step drafts nothing: the target reads the whole prompt in one forward and takes the first
-            # token from its last row, the very call plain decoding (`generate` without a draft) makes
-            proposal = Proposal(ids[:, :0], torch.empty(1, 0, 0, device=ids.device), "prefill")
+        if _static_mode(model, draft_model, generation_config):
+            # sized for the whole call plus any padding a model's fixed row shape writes past its real tokens; the target
+            # alone compares bitwise only over a cache of the same size (`new_cache`)
+            target_cache = new_cache(model, generation_config.max_length, static=True)
+            draft_cache = new_cache(draft_model, generation_config.max_length, static=True)
         else:
-            # one verification yields one more token than was drafted, so never draft past max_length - 1
-            budget = generation_config.max_length - ids.shape[1] - 1
-            proposal = propose(draft_model, draft_cache, pacer_head, policy, ids, budget, logits_processor,
-                               do_sample, eos_token_ids, stats, keep_hidden=pacer_step_callback is not None,
-                               vocab=vocab, lookup=lookup)
-        raw_logits, target_scores = verify(model, target_cache, ids, proposal, logits_processor, stats)
-        if prefill:
-            stats.prefill_time = stats.target_time
-        new_tokens, num_accepted = accept(ids, proposal, target_scores, do_sample)
-        k = proposal.tokens.shape[1]
-        if not prefill:
-            policy.update(proposal.view, num_accepted)
-            if lookup is not None:
-                lookup.update(proposal.match, proposal.free, k, num_accepted)
-        prefill = False
-        if pacer_step_callback is not None:
-            pacer_step_callback(ids, proposal, target_scores, num_accepted)
-
-        emitted = 0
-        for i in range(new_tokens.shape[1]):
-            ids = torch.cat([ids, new_tokens[:, i : i + 1]], dim=1)
-            emitted += 1
-            if want_scores:
-                all_scores.append(target_scores[:, i, :])
-            if want_logits:
-                all_logits.append(raw_logits[:, i, :])
-            if bool(stopping_criteria(ids, target_scores[:, i, :]).any()):
-                finished = True
-                break
-        stats.steps.append(DecodeStep(drafted=k, accepted=num_accepted, emitted=emitted, stop_reason=proposal.stop_reason,
-                                      free=proposal.free))
+            target_cache = _given_cache(model_kwargs) or new_cache(model, generation_config.max_length)
+            draft_cache = new_cache(draft_model, generation_config.max_length)
+        for cache in (target_cache, draft_cache):
+            cache.activate_past_recording()  # sliding-window layers keep what a rejected draft needs back
         if pacer_streamer is not None:
-            pacer_streamer.put(ids[0, -emitted:].cpu())
+            pacer_streamer.put(input_ids.cpu())
 
-        # roll the caches back to the accepted prefix: the target holds all of `ids` but the last token,
-        # the draft whatever of that it has actually seen (it never fed its own last draft token)
-        crop_cache(target_cache, ids.shape[1] - 1)
-        crop_cache(draft_cache, ids.shape[1] - 1)
+        ids = input_ids
+        vocab = (_vocab_size(draft_model), _vocab_size(model))
+        finished = False
+        prefill = True
+        while not finished:
+            if prefill:
+                # the first step drafts nothing: the target reads the whole prompt in one forward and takes the first
+                # token from its last row, the very call plain decoding (`generate` without a draft) makes
+                proposal = Proposal(ids[:, :0], torch.empty(1, 0, 0, device=ids.device), "prefill")
+            else:
+                # one verification yields one more token than was drafted, so never draft past max_length - 1
+                budget = generation_config.max_length - ids.shape[1] - 1
+                proposal = propose(draft_model, draft_cache, pacer_head, policy, ids, budget, logits_processor,
+                                   do_sample, eos_token_ids, stats, keep_hidden=pacer_step_callback is not None,
+                                   vocab=vocab, lookup=lookup, draft_offset=draft_offset)
+            raw_logits, target_scores = verify(model, target_cache, ids, proposal, logits_processor, stats)
+            if prefill:
+                stats.prefill_time = stats.target_time
+            new_tokens, num_accepted = accept(ids, proposal, target_scores, do_sample)
+            k = proposal.tokens.shape[1]
+            if not prefill:
+                policy.update(proposal.view, num_accepted)
+                if lookup is not None:
+                    lookup.update(proposal.match, proposal.free, k, num_accepted)
+            prefill = False
+            if pacer_step_callback is not None:
+                pacer_step_callback(ids, proposal, target_scores, num_accepted)
 
-    if pacer_streamer is not None:
-        pacer_streamer.end()
-    stats.total_time = time.perf_counter() - start
-    if measured_here and pacer_costs is not None:
-        _check_host_costs(model, draft_model, *measured_here, pacer_costs, stats)
+            emitted = 0
+            for i in range(new_tokens.shape[1]):
+                ids = torch.cat([ids, new_tokens[:, i : i + 1]], dim=1)
+                emitted += 1
+                if want_scores:
+                    all_scores.append(target_scores[:, i, :])
+                if want_logits:
+                    all_logits.append(raw_logits[:, i, :])
+                if bool(stopping_criteria(ids, target_scores[:, i, :]).any()):
+                    finished = True
+                    break
+            stats.steps.append(DecodeStep(drafted=k, accepted=num_accepted, emitted=emitted, stop_reason=proposal.stop_reason,
+                                          free=proposal.free))
+            if pacer_streamer is not None:
+                pacer_streamer.put(ids[0, -emitted:].cpu())
 
-    if not generation_config.return_dict_in_generate:
-        return ids
-    return PacerGenerateOutput(
-        sequences=ids,
-        scores=tuple(all_scores) if want_scores else None,
-        logits=tuple(all_logits) if want_logits else None,
-        pacer_stats=stats,
-        pacer_policy=policy,
-        **{_OUTPUT_CACHE_FIELD: target_cache if generation_config.use_cache else None},
-    )
+            # roll the caches back to the accepted prefix: the target holds all of `ids` but the last token,
+            # the draft whatever of that it has actually seen (it never fed its own last draft token)
+            crop_cache(target_cache, ids.shape[1] - 1)
+            crop_cache(draft_cache, ids.shape[1] - 1 - draft_offset)
+
+        if pacer_streamer is not None:
+            pacer_streamer.end()
+        stats.total_time = time.perf_counter() - start
+        if measured_here and pacer_costs is not None:
+            _check_host_costs(model, draft_model, *measured_here, pacer_costs, stats)
+
+        if not generation_config.return_dict_in_generate:
+            return ids
+        return PacerGenerateOutput(
+            sequences=ids,
+            scores=tuple(all_scores) if want_scores else None,
+            logits=tuple(all_logits) if want_logits else None,
+            pacer_stats=stats,
+            pacer_policy=policy,
+            **{_OUTPUT_CACHE_FIELD: target_cache if generation_config.use_cache else None},
+        )
 
 
 def _stop_strings_as_criteria(model, generation_config, stopping_criteria, kwargs):
@@ -800,7 +863,8 @@ def generate(*args, model=None, **kwargs):
     as usual and runs [`pacer_decoding`]; `assistant_model` and `streamer` travel under other names
     because transformers passes neither to a `custom_generate` callable. `pacer_lookup=True` (or an [`NgramLookup`],
     or its settings): free drafts looked up in the sequence open each draft ([`pacer_decoding`]; without a head or a
-    rule, the cost-aware rule on the draft's probability decides). `pacer_costs`: this machine's
+    rule, the cost-aware rule on the draft's probability decides). `pacer_draft_window=K`: the draft reads only the
+    prompt's last K tokens ([`pacer_decoding`]). `pacer_costs`: this machine's
     `CostModel` for a head whose rule is cost-aware (default: measured once and cached, `host_costs`).
 
     The model comes first, or as the keyword `model`: transformers binds a repo's
@@ -842,6 +906,7 @@ def _generate(
     pacer_step_callback=None,
     pacer_costs=None,
     pacer_lookup=None,
+    pacer_draft_window=None,
     **kwargs,
 ):
     plain = dict(
@@ -852,7 +917,7 @@ def _generate(
     )
     kwargs.pop("custom_generate", None)  # set when transformers loaded this file as a custom_generate repo
     kwargs.pop("trust_remote_code", None)
-    if pacer_lookup not in (None, False) and pacer_head is None and stopping_policy is None:
+    if (pacer_lookup not in (None, False) or pacer_draft_window is not None) and pacer_head is None and stopping_policy is None:
         stopping_policy = ExpectedThroughput.name  # pacer's best rule without a head, on free drafts too
     if pacer_head is None and stopping_policy is None:
         return GenerationMixin.generate(
@@ -861,7 +926,13 @@ def _generate(
         )
     if assistant_model is None:
         raise ValueError("PACER decoding needs a draft model: pass `assistant_model=draft`.")
-    _check_cache_implementation(*_requested_cache_implementation(model, generation_config, kwargs))
+    implementation, source = _requested_cache_implementation(model, generation_config, kwargs)
+    _check_cache_implementation(implementation, source)
+    static = implementation == _STATIC or wants_static_cache(model) or wants_static_cache(assistant_model)
+    if static and any(kwargs.get(name) is not None for name in (*CACHE_NAMES, "past_key_values")):
+        raise ValueError("PACER decoding over static caches builds and sizes both caches itself (the whole call plus "
+                         "a fixed row shape's padding): pass no cache with cache_implementation='static' or a "
+                         "captured model.")
     plain["generation_config"], stopping_criteria = _stop_strings_as_criteria(
         model, generation_config, stopping_criteria, kwargs
     )
@@ -877,6 +948,7 @@ def _generate(
         pacer_step_callback=pacer_step_callback,
         pacer_costs=pacer_costs,
         pacer_lookup=pacer_lookup,
+        pacer_draft_window=pacer_draft_window,
         **plain,
         **kwargs,
     )

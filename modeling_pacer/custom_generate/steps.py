@@ -1,10 +1,12 @@
-"""A model's forward over a cache, and the cache's roll-back: the steps the loop (`generate.py`) and the cost
+"""A model's forward over a cache, the cache's roll-back, and the caches a step runs over: the steps the loop (`generate.py`) and the cost
 measurement (`costs.py`) both take. Imports only torch and transformers (this folder travels to the Hub as is)."""
 
 import functools
 import inspect
 
 import torch
+from transformers import DynamicCache, StaticCache
+from transformers.cache_utils import StaticLayer
 from transformers.generation.utils import ALL_CACHE_NAMES
 
 # --------------------------------------------------------------------------------------------------
@@ -44,12 +46,85 @@ def model_forward(model, tokens: torch.LongTensor, cache, num_logits: int, hidde
     return logits, states
 
 
+def cache_length(cache) -> int:
+    """How many positions `cache` holds, as an int (a StaticCache counts in a tensor on the model's device)."""
+    return int(cache.get_seq_length())
+
+
 def crop_cache(cache, length: int) -> None:
     """Keep the first `length` positions of `cache` (transformers 5's `crop` takes a negative count to drop).
 
     Called after every step, even with nothing to drop: `crop(0)` trims sliding-window layers, which
     keep their whole past while a draft is pending (`activate_past_recording`), back to the window.
+    A StaticCache only moves its write position back, in place (its tensors keep their addresses, which a captured
+    step reads): what lies past it is masked from every later row and overwritten by the next write. That is what
+    `StaticLayer.crop` does where transformers has it (5.25; 5.23 has no crop for static layers).
     """
-    if cache.get_seq_length() == 0:
+    held = cache_length(cache)
+    if held == 0:
         return  # an empty cache (the draft's, after the prefill step) has no layers to crop
-    cache.crop(-max(0, cache.get_seq_length() - length))
+    if isinstance(cache, StaticCache):
+        for layer in cache.layers:
+            layer.cumulative_length.sub_(max(0, held - length))
+        return
+    cache.crop(-max(0, held - length))
+
+
+# --------------------------------------------------------------------------------------------------
+# static caches: what a captured step (a CUDA graph, `modeling_pacer.capture`) decodes over
+# --------------------------------------------------------------------------------------------------
+def wants_static_cache(model) -> bool:
+    """Whether `model`'s steps are captured ([`modeling_pacer.capture`]): it then decodes over a StaticCache."""
+    return bool(getattr(model, "_pacer_static_cache", False))
+
+
+def cache_slack(model) -> int:
+    """Positions a call of `model` may write past its real tokens before the cache is cropped back (the padding of a
+    fixed row shape, `modeling_pacer.fixed_rows`): room a StaticCache must have."""
+    return int(getattr(model, "_pacer_cache_slack", 0))
+
+
+# a static cache's size: the smallest power of two, at least this, that holds the call: few sizes, so few graphs
+STATIC_MIN_SIZE = 256
+
+
+def static_size(model, max_length: int) -> int:
+    """The positions of `model`'s static cache for a call of up to `max_length` tokens ([`new_cache`])."""
+    size, need = STATIC_MIN_SIZE, max_length + cache_slack(model)
+    while size < need:
+        size *= 2
+    return size
+
+
+def new_cache(model, max_length: int, static: bool = False):
+    """An empty cache for `model` decoding up to `max_length` tokens: a StaticCache of [`static_size`] positions where
+    `static` or [`wants_static_cache`], else a DynamicCache. A static cache's rows attend over all its positions
+    (masked past the ones written), so runs compare bitwise only over caches of one size: the target alone takes
+    its cache from here too.
+
+    A captured model keeps one static cache per size and hands it out again, emptied: its graphs were recorded
+    reading those tensors' addresses (a new cache would be compiled and recorded anew). So one captured model
+    decodes one call at a time, and a cache it returned is emptied by its next call (as transformers' own
+    static-cache generation does)."""
+    config = model.config.get_text_config(decoder=True)
+    if not (static or wants_static_cache(model)):
+        return DynamicCache(config=config)
+    size = static_size(model, max_length)
+    if not wants_static_cache(model):
+        return StaticCache(config=config, max_cache_len=size)
+    pool = model.__dict__.setdefault("_pacer_static_caches", {})
+    if size not in pool:
+        pool[size] = StaticCache(config=config, max_cache_len=size)
+    else:
+        pool[size].reset()
+    return pool[size]
+
+
+def static_capacity(cache) -> int:
+    """The positions a StaticCache holds."""
+    return cache.layers[0].max_cache_len
+
+
+def is_static_full_attention(cache) -> bool:
+    """A StaticCache of full-attention layers only: the static cache this package rolls back."""
+    return isinstance(cache, StaticCache) and all(type(layer) is StaticLayer for layer in cache.layers)

@@ -31,7 +31,9 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from ..custom_generate.generate import cache_kwargs, crop_cache
+from ..custom_generate.steps import (
+    cache_kwargs, cache_length, crop_cache, is_static_full_attention, model_forward, new_cache, static_capacity,
+)
 
 # the output's cache field (transformers 5.24 renamed `past_key_values` to `cache`)
 _OUTPUT_CACHE = next(f.name for f in dataclasses.fields(CausalLMOutputWithPast) if f.name in ("cache", "past_key_values"))
@@ -40,10 +42,13 @@ _OUTPUT_CACHE = next(f.name for f in dataclasses.fields(CausalLMOutputWithPast) 
 class FixedRowsForward:
     """`model.forward` with every call in blocks of exactly `rows` input tokens (see the module's docstring). Calls it
     cannot pad exactly (a batch, embeddings instead of ids, a mask with padding, labels, explicit positions, a cache
-    that is not a DynamicCache of full-attention layers) are refused: a silent fallback would break exactness."""
+    that is not a DynamicCache or StaticCache of full-attention layers, a StaticCache without room for the padding)
+    are refused: a silent fallback would break exactness. `inner` is the call of exactly `rows` tokens (the model's
+    own forward, or a captured one: [`modeling_pacer.capture`])."""
 
     def __init__(self, model: nn.Module, rows: int):
         self.model, self.original, self.rows = model, model.forward, rows
+        self.inner = self.original
 
     def __call__(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
                  labels=None, use_cache=None, logits_to_keep=0, output_hidden_states=None, **kwargs):
@@ -53,6 +58,7 @@ class FixedRowsForward:
         kwargs.pop("cache_position", None)  # recomputed per chunk from the cache's length
         if cache is None:
             cache = DynamicCache(config=self.model.config.get_text_config(decoder=True))
+        static = is_static_full_attention(cache)
         n = input_ids.shape[1]
         keep = n if not logits_to_keep else min(int(logits_to_keep), n)  # the last `keep` rows' logits are returned
         logits, hidden = [], []
@@ -60,12 +66,16 @@ class FixedRowsForward:
             chunk = input_ids[:, start : start + self.rows]
             real = chunk.shape[1]
             padded = torch.cat([chunk, chunk[:, -1:].expand(1, self.rows - real)], dim=1)
-            past = cache.get_seq_length()
+            past = cache_length(cache)
+            if static and past + self.rows > static_capacity(cache):
+                raise ValueError(f"fixed_rows: a call of {self.rows} rows after {past} positions does not fit this "
+                                 f"StaticCache of {static_capacity(cache)}: size it with modeling_pacer.new_cache "
+                                 "(the call's max_length plus the row shape's padding)")
             if position_ids is not None:  # the caller's positions for the real rows, the padding's continue them
                 given = position_ids[:, start : start + real]
                 kwargs["position_ids"] = torch.cat([given, given[:, -1:] + torch.arange(
                     1, self.rows - real + 1, device=given.device)], dim=1)
-            out = self.original(input_ids=padded, use_cache=True, logits_to_keep=0,
+            out = self.inner(input_ids=padded, use_cache=True, logits_to_keep=0,
                                 output_hidden_states=output_hidden_states, **cache_kwargs(self.model, cache), **kwargs)
             crop_cache(cache, past + real)  # the padding's keys and values leave the cache
             first = max(0, (n - keep) - start)  # rows of this chunk whose logits are returned
@@ -79,7 +89,7 @@ class FixedRowsForward:
     def _check(self, input_ids, attention_mask, position_ids, cache, inputs_embeds, labels, use_cache, kwargs):
         def refuse(what):
             raise ValueError(f"fixed_rows: {what} cannot be computed in the fixed row shape exactly; this model "
-                             "decodes batch size 1 from token ids, without padding, over a DynamicCache")
+                             "decodes batch size 1 from token ids, without padding, over a DynamicCache or StaticCache")
 
         if input_ids is None or inputs_embeds is not None:
             refuse("a call without input_ids (inputs_embeds)")
@@ -89,10 +99,11 @@ class FixedRowsForward:
             refuse("labels or use_cache=False")
         if position_ids is not None and tuple(position_ids.shape) != tuple(input_ids.shape):
             refuse(f"position_ids of shape {tuple(position_ids.shape)}")
-        if attention_mask is not None and not bool(attention_mask.all()):
+        # a dict: the causal masks transformers prepares ahead for a static cache, which the padded calls rebuild
+        if isinstance(attention_mask, torch.Tensor) and not bool(attention_mask.all()):
             refuse("an attention mask with padding")
-        if cache is not None and (type(cache) is not DynamicCache
-                                  or any(type(layer) is not DynamicLayer for layer in cache.layers)):
+        dynamic = type(cache) is DynamicCache and all(type(layer) is DynamicLayer for layer in cache.layers)
+        if cache is not None and not dynamic and not is_static_full_attention(cache):
             refuse(f"a {type(cache).__name__} (sliding-window or other layers)")
         if kwargs.get("output_attentions"):
             refuse("output_attentions")
@@ -105,6 +116,9 @@ def fixed_rows(model: nn.Module, rows: int = 16) -> nn.Module:
     refused (its cache drops keys the padding would push out)."""
     if not isinstance(rows, int) or rows < 1:
         raise ValueError(f"fixed_rows: rows must be an integer >= 1, got {rows!r}")
+    if getattr(model, "_pacer_static_cache", False):
+        raise ValueError("fixed_rows: this model's steps are captured already; apply fixed_rows (make_exact) first, "
+                         "then capture")
     config = model.config.get_text_config(decoder=True)
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True) is not False:
         layer_types = getattr(config, "layer_types", None)
@@ -114,6 +128,7 @@ def fixed_rows(model: nn.Module, rows: int = 16) -> nn.Module:
         model.forward.rows = rows
     else:
         model.forward = FixedRowsForward(model, rows)
+    model._pacer_cache_slack = rows  # a static cache's room for the padding (`new_cache`)
     return model
 
 
@@ -125,12 +140,12 @@ def fixed_rows_of(model: nn.Module) -> int | None:
 
 @torch.no_grad()
 def row_agreement(model: nn.Module, prefix: torch.LongTensor, sizes=range(1, 17), draft: torch.LongTensor | None = None,
-                  ) -> dict[int, float]:
+                  static: bool = False) -> dict[int, float]:
     """How far a call of k tokens after `prefix` `(1, L)` is from k single-token steps, for each k in `sizes`: the
     largest absolute difference between their float32 logits (0.0: bitwise equal). The k tokens are `draft[:, :k]`
     (default: a fixed sequence of ids). Also `"prefill"`: the prefix read in one call, its last row against the same
-    prefix read up to its last token and then stepped once."""
-    from ..custom_generate.generate import model_forward
+    prefix read up to its last token and then stepped once. `static`: over StaticCaches of one size (what a captured
+    model decodes over), else DynamicCaches."""
 
     device = next(model.parameters()).device
     prefix = prefix.to(device)
@@ -139,8 +154,13 @@ def row_agreement(model: nn.Module, prefix: torch.LongTensor, sizes=range(1, 17)
     if draft is None:
         draft = (torch.arange(longest, device=device) * 104729 % vocab).view(1, -1)
 
-    def after(ids: torch.LongTensor) -> DynamicCache:
-        cache = DynamicCache(config=model.config.get_text_config(decoder=True))
+    length = prefix.shape[1] + longest + 1  # every cache here one size: a static cache's rows read all of it
+
+    def empty():
+        return new_cache(model, length, static=static)
+
+    def after(ids: torch.LongTensor):
+        cache = empty()
         model_forward(model, ids, cache, 1)
         return cache
 
@@ -154,7 +174,7 @@ def row_agreement(model: nn.Module, prefix: torch.LongTensor, sizes=range(1, 17)
         cache = after(prefix)
         logits, _ = model_forward(model, draft[:, :k], cache, k)
         out[k] = max(float((logits[0, i] - singles[i]).abs().max()) for i in range(k))
-    whole, _ = model_forward(model, prefix, DynamicCache(config=model.config.get_text_config(decoder=True)), 1)
+    whole, _ = model_forward(model, prefix, empty(), 1)
     stepped, _ = model_forward(model, prefix[:, -1:], after(prefix[:, :-1]), 1)
     out["prefill"] = float((whole[0, -1] - stepped[0, -1]).abs().max())
     return out

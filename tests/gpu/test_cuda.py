@@ -143,3 +143,49 @@ def test_streaming_on_cuda():
     out = target.generate(ids, assistant_model=draft, stopping_policy=ExpectedThroughput(costs), streamer=streamer,
                           max_new_tokens=30)
     assert streamer.tokens == out[0].tolist()
+
+
+# captured steps: CUDA graphs over static caches (modeling_pacer.capture). "cudagraphs" records the eager kernels and
+# compiles in seconds; inductor (capture's default, mode="reduce-overhead") fuses them and compiles for longer: one
+# policy runs with it
+CUDAGRAPHS = dict(fullgraph=True, dynamic=False, backend="cudagraphs")
+
+
+def _captured_pair(dtype, backend):
+    from transformers import CompileConfig
+
+    from modeling_pacer import capture
+    from modeling_pacer.gpu.fixed_rows import fixed_rows
+
+    target, draft = make_pair("qwen2", "qwen2", "noisy", hidden=256, layers=4, vocab=VOCAB)
+    target, draft = fixed_rows(target.to(CUDA, dtype), 16), draft.to(CUDA, dtype)
+    config = CompileConfig(**CUDAGRAPHS) if backend == "cudagraphs" else CompileConfig(fullgraph=True, dynamic=False)
+    return capture(target, compile_config=config), capture(draft, compile_config=config)
+
+
+@pytest.mark.parametrize("backend, dtype", [("cudagraphs", torch.bfloat16), ("cudagraphs", torch.float32),
+                                            ("inductor", torch.bfloat16)])
+def test_captured_steps_are_the_target_alone_on_cuda(backend, dtype):
+    """Every method with the target's and the draft's steps captured, token for token the captured exact target
+    alone (plain decoding through the same fixed-row graph, over a static cache of the same size); drafts rejected
+    and rolled back on the static caches; the steps really ran as graphs."""
+    from modeling_pacer import captured_calls, new_cache
+
+    target, draft = _captured_pair(dtype, backend)
+    methods = _methods(draft) if backend == "cudagraphs" else {"throughput by name": dict(stopping_policy="throughput")}
+    methods.pop("transformers' assisted generation", None)  # its own loop, over a DynamicCache
+    failures, drafted, rejected = [], 0, 0
+    for ids in _prompts():
+        for new in NEW_TOKENS:
+            alone = target.generate(ids, max_new_tokens=new, do_sample=False,
+                                    past_key_values=new_cache(target, ids.shape[1] + new))
+            for name, kwargs in methods.items():
+                out = target.generate(ids, assistant_model=draft, max_new_tokens=new, do_sample=False,
+                                      return_dict_in_generate=True, **kwargs)
+                if not torch.equal(out.sequences, alone):
+                    failures.append((name, ids.shape[1], new))
+                drafted += sum(s.drafted for s in out.pacer_stats.steps)
+                rejected += sum(s.drafted > s.accepted for s in out.pacer_stats.steps)
+    assert not failures, f"{len(failures)} runs differ from the target alone: {failures[:10]}"
+    assert drafted > 0 and rejected > 0
+    assert captured_calls(target)["graph", 16] > 0 and captured_calls(draft)["graph", 1] > 0
