@@ -1,6 +1,7 @@
 """The benchmark harness on tiny random models: live runs, mismatch detection, replay agreeing with a
 live run, the oracle's optimality, and the report files."""
 
+import dataclasses
 import re
 from types import SimpleNamespace
 
@@ -366,6 +367,25 @@ def test_replay_cli_over_several_trace_files(setup, tmp_path):
     assert rows["oracle"] >= max(rows["fixed-2"], rows["pacer"])
     assert (tmp_path / "r" / "replay.md").exists()
 
+    # --costs: every trace priced at another machine's cost model (a GPU's, from `pacer-bench device`); --alone-ms
+    # (or the file's alone_ms) the target alone's step where it is not the model's target(1)
+    gpu = CostModel({n: 0.01 + 0.0001 * n for n in range(1, 14)}, 0.004, 0.0)
+    (tmp_path / "gpu.json").write_text(json.dumps(dict(gpu.to_dict(), alone_ms=8.0)))
+    main(["replay", *files, "--head", str(tmp_path / "head"), "--methods", "fixed-2", "--costs", str(tmp_path / "gpu.json"),
+          "--out", str(tmp_path / "g")])
+    projected = json.loads((tmp_path / "g" / "replay.json").read_text())
+    alone = seconds = 0.0
+    for path in files:
+        trace = load_traces(path).traces[0]
+        result = replay(all_methods(head_config=setup.head.config)["fixed-2"].policy(), trace, gpu, setup.head)
+        alone += result.target_alone_seconds * 0.008 / gpu.target(1)
+        seconds += result.seconds
+    assert projected["rows"][0]["replayed_speedup"] == pytest.approx(alone / seconds)
+    assert projected["meta"]["alone_ms"] == 8.0 and projected["meta"]["costs"] == [json.loads(json.dumps(gpu.to_dict()))]
+    (tmp_path / "bad.json").write_text(json.dumps({"draft_forward": 0.1}))
+    with pytest.raises(ValueError, match="not a cost model"):
+        main(["replay", *files, "--costs", str(tmp_path / "bad.json"), "--out", str(tmp_path / "b")])
+
 
 def test_trace_files_round_trip_and_a_pickle_runs_nothing(setup, tmp_path):
     """Trace files are safetensors + JSON: what was saved comes back, and a crafted pickle in their place
@@ -554,3 +574,31 @@ def test_lookup_methods_give_the_targets_output_and_are_not_replayed(tmp_path):
             assert torch.equal(sequences, plain), name
     _, stats = run_method(methods["pacer-lookup"], target, draft, None, torch.cat([line, line, line[:, :3]], dim=1), 30)
     assert sum(s.free for s in stats.steps) > 0
+
+
+def test_draft_window_methods_give_the_targets_output_and_are_not_replayed(setup, tmp_path, capsys):
+    """pacer-window-K: the head's default rule with the draft reading the prompt's last K tokens; the target's greedy
+    output; not replayed (its drafts are not the traces' draft's)."""
+    import json
+
+    from modeling_pacer.benchmarks.cli import main
+    from modeling_pacer.benchmarks.methods import DRAFT_WINDOWS
+
+    costs = CostModel({n: 1.0 + 0.01 * n for n in range(1, 20)}, 0.3)
+    methods = all_methods(head_config=setup.head.config, costs=costs)
+    for k in DRAFT_WINDOWS:
+        method = methods[f"pacer-window-{k}"]
+        assert method.draft_window == k and method.needs_head == methods["pacer"].needs_head
+    dataset, prompt_id, ids = setup.prompts[0]
+    plain = setup.pair.target.generate(ids, max_new_tokens=NEW, do_sample=False)
+    window = dataclasses.replace(methods[f"pacer-window-{DRAFT_WINDOWS[0]}"], draft_window=2)
+    sequences, stats = run_method(window, setup.pair.target, setup.pair.draft, setup.head, ids, NEW)
+    assert torch.equal(sequences, plain) and sum(s.drafted for s in stats.steps) > 0
+    setup.head.save_pretrained(tmp_path / "head")
+    output = plain[0, ids.shape[1]:]
+    save_traces(tmp_path / "t.safetensors", [record_trace_by_decoding(setup.pair.draft, ids, output, 12, True, dataset,
+                                                                      prompt_id)], costs)
+    main(["replay", str(tmp_path / "t.safetensors"), "--head", str(tmp_path / "head"), "--methods", "pacer*",
+          "--out", str(tmp_path / "r")])
+    replayed = {r["method"] for r in json.loads((tmp_path / "r" / "replay.json").read_text())["rows"]}
+    assert "pacer" in replayed and not any(name.startswith("pacer-window") for name in replayed)

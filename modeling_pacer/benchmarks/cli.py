@@ -120,6 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--rules", nargs="+", type=_rule_settings, default=[], metavar="JSON",
                         help="also replay these rules, each as its settings (StoppingPolicy.to_dict()), e.g. "
                              "'{\"name\": \"throughput\", \"calibration\": 4.0}': variants of a rule beside the methods")
+    replay.add_argument("--costs", metavar="JSON", help="price every trace at this cost model instead of the one its run "
+                        "measured (CostModel.to_dict(); e.g. a GPU's, from `pacer-bench device`'s costs/ folder): a "
+                        "projection of the recorded acceptance onto another machine")
+    replay.add_argument("--alone-ms", type=float, metavar="MS", help="the target alone's one-token step in ms, where "
+                        "the baseline is not the cost model's target(1) (default: the cost file's alone_ms, if any)")
     _add_output(replay, "replay-out")
 
     merge = sub.add_parser("merge", help="one report from runs over disjoint prompts (e.g. one run per dataset)")
@@ -197,6 +202,13 @@ def build_parser() -> argparse.ArgumentParser:
     device.add_argument("--prefixes", type=_positive, nargs="+", default=[37, 256],
                         help="prefix lengths the rows are compared after (the curve is timed after the longest)")
     device.add_argument("--repeats", type=_positive, default=5)
+    device.add_argument("--e2e", choices=list(QWEN25_SHAPES), metavar="SHAPE",
+                        help="also PACER end to end against the exact target alone of this shape, eager and captured, "
+                             "with a draft of its first --draft-layers layers")
+    device.add_argument("--draft-layers", type=_positive, default=4)
+    device.add_argument("--capture-backend", choices=("inductor", "cudagraphs"), default="inductor",
+                        help="torch.compile backend of the captured settings (inductor: mode reduce-overhead; "
+                             "cudagraphs: the eager kernels recorded, compiled in seconds)")
     _add_output(device, "device-out")
 
     space = sub.add_parser("space", help="the Space's target alone against the same call outside it, interleaved: "
@@ -440,19 +452,42 @@ def _rule_method(settings: dict):
     return Method(label, "pacer", lambda costs: policy_from_dict(settings, costs), needs_head=needs_head, needs_costs=True)
 
 
+def _given_costs(args):
+    """`(CostModel from --costs or None, the target alone's step in ms or None)`, checked before any trace is read."""
+    from ..custom_generate.costs import CostModel
+
+    alone_ms = getattr(args, "alone_ms", None)
+    if alone_ms is not None and alone_ms <= 0:
+        raise ValueError(f"--alone-ms must be positive, got {alone_ms}")
+    if not getattr(args, "costs", None):
+        return None, alone_ms
+    try:
+        fields = json.loads(Path(args.costs).read_text())
+        costs = CostModel.from_dict({k: fields[k] for k in ("target_forward", "draft_forward", "head_call")})
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"--costs {args.costs}: not a cost model (CostModel.to_dict()): {error}") from None
+    if not costs.target_forward or min(costs.target_forward.values()) <= 0 or costs.draft_forward < 0:
+        raise ValueError(f"--costs {args.costs}: costs must be positive")
+    return costs, alone_ms if alone_ms is not None else fields.get("alone_ms")
+
+
 def run_replay(args) -> dict:
     from ..replay import load_traces, oracle, replay
 
     # each file's traces are replayed with the cost model measured in the run that recorded them
+    given, alone_ms = _given_costs(args)
     recorded = []
     for path in args.traces:
         saved = load_traces(path)
-        if saved.costs is None:
-            raise ValueError(f"{path} holds no cost model: replay needs the costs measured where it was recorded.")
-        recorded += [(trace, saved.costs) for trace in saved.traces]
+        if saved.costs is None and given is None:
+            raise ValueError(f"{path} holds no cost model: replay needs the costs measured where it was recorded "
+                             "(or --costs).")
+        recorded += [(trace, given or saved.costs) for trace in saved.traces]
     head = _load_head(args.head)
-    # a method that looks tokens up drafts from the live sequence, which a trace does not replay
-    methods = [m for m in _available_methods(args, head, announce=True) if m.policy is not None and not m.lookup]
+    # a method that looks tokens up drafts from the live sequence, and one whose draft reads a window of the prompt
+    # drafts otherwise than the traces' draft did: neither is replayed
+    methods = [m for m in _available_methods(args, head, announce=True)
+               if m.policy is not None and not m.lookup and not m.draft_window]
     rules = [_rule_method(settings) for settings in args.rules]
     if head is None and any(rule.needs_head for rule in rules):
         raise ValueError(f"--rules: {[r.name for r in rules if r.needs_head]} read a head: pass --head.")
@@ -472,12 +507,13 @@ def run_replay(args) -> dict:
         for trace, costs in recorded:
             result = oracle(trace, costs, args.oracle_max_draft) if method is None else replay(method.make_policy(costs), trace, costs, head)
             seconds += result.seconds
-            alone += result.target_alone_seconds
+            # the target alone at its own step cost where that is not the cost model's one-token call
+            alone += result.target_alone_seconds * (alone_ms / 1000 / costs.target(1) if alone_ms else 1.0)
         rows.append(dict(method="oracle" if method is None else method.name, replayed_speedup=alone / seconds))
     lines = ["| method | replayed speedup |", "|---|---|"] + [f"| {r['method']} | {r['replayed_speedup']:.2f}x |" for r in rows]
     print("\n".join(lines))
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    meta = run_meta(args.argv, traces=len(recorded),
+    meta = run_meta(args.argv, traces=len(recorded), alone_ms=alone_ms,
                 costs=[c.to_dict() for c in {id(c): c for _, c in recorded}.values()])
     (Path(args.out) / "replay.json").write_text(json.dumps(dict(rows=rows, meta=meta), indent=1))
     (Path(args.out) / "replay.md").write_text(f"Command: `{meta['command']}`\n\n" + "\n".join(lines) + "\n")

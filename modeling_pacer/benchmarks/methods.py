@@ -39,6 +39,7 @@ class Method:
     costs: object = None  # the CostModel a live run measured; replay passes each trace file's own
     lookup: int = 0  # > 0: drafts looked up in the sequence, at most this many tokens a lookup (pacer's NgramLookup,
     # transformers' prompt_lookup_num_tokens, llama.cpp's LlamaPromptLookupDecoding num_pred_tokens)
+    draft_window: int = 0  # > 0: the draft reads only the prompt's last this many tokens (pacer_draft_window)
 
     def make_policy(self, costs=None) -> StoppingPolicy:
         """A fresh policy; a cost-aware one gets `costs`, else the method's own (the live run's)."""
@@ -66,9 +67,13 @@ def _hf(name: str, **assistant_config) -> Method:
 
 
 def _ours(name: str, policy: Callable[..., StoppingPolicy], needs_head: bool = False, costs=None,
-          needs_costs: bool = False, lookup: int = 0) -> Method:
+          needs_costs: bool = False, lookup: int = 0, draft_window: int = 0) -> Method:
     return Method(name, "pacer", policy=policy, needs_head=needs_head, needs_costs=needs_costs, costs=costs,
-                  lookup=lookup)
+                  lookup=lookup, draft_window=draft_window)
+
+
+# prompt tokens the draft reads in the `pacer-window-*` methods
+DRAFT_WINDOWS = (32, 128)
 
 
 # tokens a lookup proposes: transformers' and llama.cpp's defaults for their prompt lookup are 10; pacer's rule
@@ -98,6 +103,11 @@ def all_methods(gammas=(1, 2, 3, 4, 5, 6), head_config=None, costs=None, do_samp
         # the head's own default rule (its config's stopping_rule), and the paper's block rule by name
         _ours("pacer", lambda *c: make_policy(None, head_config, *c, do_sample=do_sample), needs_head=True, costs=costs,
               needs_costs=head_config is not None and head_rule(head_config, do_sample)[0] == "throughput"),
+        # the same, the draft reading only the prompt's last K tokens: its prefill costs K tokens
+        *[_ours(f"pacer-window-{k}", lambda *c: make_policy(None, head_config, *c, do_sample=do_sample),
+                needs_head=True, costs=costs, draft_window=k,
+                needs_costs=head_config is not None and head_rule(head_config, do_sample)[0] == "throughput")
+          for k in DRAFT_WINDOWS],
         _ours("pacer-blocks", lambda: Pacer.from_config(head_config), needs_head=True),
         _ours("throughput", lambda c: ExpectedThroughput(c, "draft", longest), costs=costs, needs_costs=True),
         _ours("pacer-throughput", lambda c: ExpectedThroughput(c, "head", longest), needs_head=True, costs=costs,
@@ -178,6 +188,6 @@ def run_method(method: Method, target, draft, head, input_ids: torch.Tensor, max
 
     lookup = dict(max_tokens=method.lookup) if method.lookup else None
     out = generate(target, input_ids, assistant_model=draft, stopping_policy=method.make_policy(),
-                   pacer_head=head if method.needs_head else None, pacer_lookup=lookup, return_dict_in_generate=True,
-                   **settings)
+                   pacer_head=head if method.needs_head else None, pacer_lookup=lookup,
+                   pacer_draft_window=method.draft_window or None, return_dict_in_generate=True, **settings)
     return out.sequences, out.pacer_stats

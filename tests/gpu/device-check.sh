@@ -1,17 +1,22 @@
 #!/usr/bin/env bash
-# The GPU check, as one run on a lent NVIDIA machine (the `device` tool), well inside its 15 minutes:
-#   1. `pacer-bench device` at the Qwen2.5 0.5B / 1.5B / 7B shapes (random weights, bf16): for the model as loaded and
-#      each way to exact verification, whether a call of 1..16 tokens and a prefill give bitwise the rows of single
-#      steps, and the cost curve of 1..16 tokens (synchronized);
-#   2. tests/gpu (every method against the exact target alone in bf16 and float32, sampling, the exact probe at the
-#      0.5B / 1.5B shapes, the cost model on CUDA, streaming).
-# Results land in $OUT (device/device.json and .md, the logs, nvidia-smi) and are committed under
-# benchmarks/results/<date>-gpu-exact/.
+# The GPU check, as one run on a lent NVIDIA machine (the `device` tool), inside its 15 minutes (each part has its own
+# time limit, about 7.5 minutes in all, and leaves what it measured in $OUT even when a later part runs out):
+#   1. `pacer-bench device` at the Qwen2.5 0.5B / 1.5B / 7B shapes (random weights, bf16): for the model as loaded,
+#      the exact fixed-row target, and both with their steps captured (CUDA graphs over a static cache, torch's
+#      "cudagraphs" backend: compiled in seconds), whether a call of 1..16 tokens and a prefill give bitwise the rows
+#      of single steps, the synchronized cost curve of 1..16 tokens, and the kernels' own time of a step (profiler);
+#   2. tests/gpu (every method against the exact target alone in bf16 and float32, with steps eager and captured,
+#      sampling, the exact probe at the 0.5B / 1.5B shapes, the cost model on CUDA, streaming);
+#   3. end to end at the 1.5B shape: PACER against the exact target alone, eager and captured (a draft of the
+#      target's first 4 layers), and the other two exact ways' curves at the 1.5B shape (rows alone, eager attention);
+#   4. the 0.5B shape captured by inductor (capture's default, mode="reduce-overhead"): its compile time and curve.
+# Results land in $OUT (device/, e2e/, inductor/, rest/: device.json and .md; the logs; nvidia-smi) and are
+# committed under benchmarks/results/<date>-gpu/.
 #
 # The GPU machine has transformers 5.17, older than pacer's range: the oldest release pacer supports travels as a
 # wheel. Here, once, from the repository's root:
 #   bash tests/gpu/device-check.sh --fetch-wheels      # transformers 5.23.0 into .whl/ (ignored by git)
-# then the device tool's run: command "bash tests/gpu/device-check.sh", carry [".whl"], timeout_s 480.
+# then the device tool's run: command "bash tests/gpu/device-check.sh", carry [".whl"], timeout_s 540.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -33,9 +38,21 @@ python3 -c 'import torch, transformers; print("torch", torch.__version__, "trans
     | tee "$OUT/versions.txt"
 
 status=0
-timeout 200 python3 -m modeling_pacer.benchmarks.cli device --shapes 0.5b 1.5b 7b --rows 16 --prefixes 37 256 \
-    --repeats 5 --out "$OUT/device" > "$OUT/device.log" 2>&1 || status=$?
-tail -30 "$OUT/device.log"
-timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu > "$OUT/gpu-tests.log" 2>&1 || status=$((status ? status : $?))
-tail -30 "$OUT/gpu-tests.log"
+part() {  # part NAME SECONDS COMMAND...: run one part under its own limit, its log in $OUT/NAME.log
+    local name=$1 limit=$2
+    shift 2
+    local start=$SECONDS
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "== $name: exit $rc in $((SECONDS - start)) s (limit $limit)" | tee -a "$OUT/parts.txt"
+    tail -25 "$OUT/$name.log"
+    if [ $rc -ne 0 ] && [ $status -eq 0 ]; then status=$rc; fi  # the first part that failed decides the exit
+}
+bench="python3 -m modeling_pacer.benchmarks.cli device --rows 16 --prefixes 37 256 --repeats 5"
+part device 170 $bench --shapes 0.5b 1.5b 7b --settings plain fixed-rows captured fixed-rows-captured \
+    --capture-backend cudagraphs --out "$OUT/device"
+part gpu-tests 150 python3 -m pytest -q -p no:cacheprovider tests/gpu
+part e2e 70 $bench --shapes 1.5b --settings fixed-rows-eager rows-alone --e2e 1.5b --capture-backend cudagraphs \
+    --out "$OUT/e2e"
+part inductor 60 $bench --shapes 0.5b --settings captured --capture-backend inductor --out "$OUT/inductor"
 exit $status
