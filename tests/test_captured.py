@@ -10,7 +10,9 @@ import pytest
 import torch
 from transformers import CompileConfig, DynamicCache, StaticCache
 
-from modeling_pacer import CostModel, ExpectedThroughput, capture, captured_calls, generate, make_exact, new_cache
+from modeling_pacer import (
+    CostModel, ExpectedThroughput, capture, captured_calls, generate, make_exact, new_cache, uncapture,
+)
 from modeling_pacer.custom_generate.steps import cache_length, crop_cache, static_capacity, static_size
 from modeling_pacer.gpu.fixed_rows import fixed_rows
 
@@ -186,3 +188,17 @@ def test_refusals():
     fixed_rows(target, 4)
     with pytest.raises(ValueError, match="does not fit this StaticCache"):
         target(input_ids=ids, past_key_values=StaticCache(config=target.config, max_cache_len=3))
+
+
+def test_uncapture_gives_the_model_back():
+    model = make_model("qwen2", seed=1, hidden=64, layers=2, vocab=VOCAB)
+    plain_forward, compile_before = model.forward, model.generation_config.disable_compile
+    capture(model, compile_config=ON_CPU)
+    assert model.generation_config.disable_compile is True and captured_calls(model) is not None
+    uncapture(model)
+    assert model.forward == plain_forward and model.generation_config.disable_compile == compile_before
+    assert captured_calls(model) is None and not getattr(model, "_pacer_static_cache", False)
+    assert type(new_cache(model, 10)).__name__ == "DynamicCache"
+    with pytest.raises(ValueError, match="not captured"):
+        uncapture(model)
+    fixed_rows(model, ROWS)  # allowed again once uncaptured

@@ -73,3 +73,17 @@ def test_pair_costs_price_the_exact_target_and_the_draft():
     assert costs["7b-0.5b-captured"] == dict(target_forward={1: 0.010, 2: 0.010}, draft_forward=0.002, head_call=0.0,
                                              alone_ms=9.0)
     assert costs["7b-0.5b-eager"]["draft_forward"] == 0.015 and costs["7b-0.5b-eager"]["alone_ms"] == 22.0
+
+
+def test_layer_draft_is_the_targets_first_layers():
+    from modeling_pacer.benchmarks.device import layer_draft
+
+    target = random_model("tiny", torch.float32)
+    draft = layer_draft(target, 1)
+    assert len(draft.model.layers) == 1 and draft.config.num_hidden_layers == 1 and len(target.model.layers) == 2
+    assert torch.equal(draft.model.layers[0].mlp.up_proj.weight, target.model.layers[0].mlp.up_proj.weight)
+    assert draft.model.layers[0].mlp.up_proj.weight.data_ptr() != target.model.layers[0].mlp.up_proj.weight.data_ptr()
+    noisy = layer_draft(target, 1, noise=0.3)
+    assert not torch.equal(noisy.model.layers[0].mlp.up_proj.weight, target.model.layers[0].mlp.up_proj.weight)
+    ids = torch.zeros(1, 5, dtype=torch.long)
+    assert draft(input_ids=ids).logits.shape == target(input_ids=ids).logits.shape

@@ -192,8 +192,9 @@ def end_to_end(shape: str, *, device="cuda", dtype=torch.bfloat16, draft_layers:
     from ..gpu.fixed_rows import fixed_rows
     from ..costs import device_clock
 
-    target = enable_pacer(fixed_rows(random_model(shape, dtype, device), rows))
-    draft = layer_draft(target, draft_layers, noise)
+    model = random_model(shape, dtype, device)
+    draft = layer_draft(model, draft_layers, noise)  # copied before the target's forward is wrapped
+    target = enable_pacer(fixed_rows(model, rows))
     vocab = target.config.vocab_size
     generator = torch.Generator().manual_seed(0)
     inputs = [torch.randint(0, vocab, (1, prompt_tokens), generator=generator).to(device) for _ in range(prompts + 1)]

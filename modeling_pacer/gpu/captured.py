@@ -127,6 +127,7 @@ def capture(model: nn.Module, rows=DRAFT_ROWS, compile_config: CompileConfig | N
     model._pacer_static_cache = True
     model._pacer_capture_lock = threading.RLock()  # one call at a time: its graphs and static caches are shared
     if getattr(model, "generation_config", None) is not None:
+        model._pacer_disable_compile = model.generation_config.disable_compile  # uncapture puts it back
         model.generation_config.disable_compile = True
     return model
 
@@ -141,10 +142,10 @@ def uncapture(model: nn.Module) -> nn.Module:
         forward.inner = forward.original
     else:
         raise ValueError("uncapture: this model's steps are not captured")
-    for name in ("_pacer_static_cache", "_pacer_capture_lock", "_pacer_static_caches"):
+    if getattr(model, "generation_config", None) is not None and "_pacer_disable_compile" in vars(model):
+        model.generation_config.disable_compile = model._pacer_disable_compile
+    for name in ("_pacer_static_cache", "_pacer_capture_lock", "_pacer_static_caches", "_pacer_disable_compile"):
         vars(model).pop(name, None)
-    if getattr(model, "generation_config", None) is not None:
-        model.generation_config.disable_compile = False
     return model
 
 
