@@ -202,3 +202,26 @@ def test_uncapture_gives_the_model_back():
     with pytest.raises(ValueError, match="not captured"):
         uncapture(model)
     fixed_rows(model, ROWS)  # allowed again once uncaptured
+
+
+def test_concurrent_calls_on_a_captured_model_each_get_their_own_answer():
+    """A captured model's static caches and graphs are shared: two threads decoding with it take turns (a lock), and
+    each gets what it would alone."""
+    import threading
+
+    target, draft = _pair(torch.float32, "fixed-rows", captured=True)
+    prompts = _prompts()
+    alone = [target.generate(ids, assistant_model=draft, stopping_policy="fixed", max_new_tokens=20, do_sample=False)
+             for ids in prompts]
+    results = {}
+
+    def run(i):
+        results[i] = target.generate(prompts[i], assistant_model=draft, stopping_policy="fixed", max_new_tokens=20,
+                                     do_sample=False)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(torch.equal(results[i], alone[i]) for i in range(len(prompts)))

@@ -36,7 +36,7 @@ from .lookup import NgramLookup
 from .policies import DraftView, ExpectedThroughput, StoppingPolicy, head_policy, make_policy
 from .steps import (  # noqa: F401 - the loop's step functions
     CACHE_NAMES, cache_kwargs, cache_length, crop_cache, is_static_full_attention, model_forward, new_cache,
-    wants_static_cache,
+    static_cache_supported, wants_static_cache,
 )
 
 
@@ -400,7 +400,7 @@ def _check_static(model) -> None:
     if not model._supports_default_dynamic_cache():
         raise ValueError(f"PACER decoding over a static cache needs a model of attention layers; {type(model).__name__} "
                          "keeps its own recurrent state, which cannot be rolled back after a rejected draft.")
-    if not is_static_full_attention(new_cache(model, 1, static=True)):
+    if not static_cache_supported(model):
         raise ValueError(f"PACER decoding over a static cache supports full-attention layers only; {type(model).__name__}"
                          " has sliding-window or other layers. Use the dynamic cache (leave cache_implementation unset).")
 

@@ -125,6 +125,13 @@ def static_capacity(cache) -> int:
     return cache.layers[0].max_cache_len
 
 
+def static_cache_supported(model) -> bool:
+    """Whether `model`'s static cache would be one this package rolls back (full-attention layers only), judged on a
+    new one-position cache (never a captured model's own, which another call may be using)."""
+    config = model.config.get_text_config(decoder=True)
+    return is_static_full_attention(StaticCache(config=config, max_cache_len=1))
+
+
 def is_static_full_attention(cache) -> bool:
     """A StaticCache of full-attention layers only: the static cache this package rolls back."""
     return isinstance(cache, StaticCache) and all(type(layer) is StaticLayer for layer in cache.layers)

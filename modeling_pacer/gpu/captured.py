@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from transformers import CompileConfig, DynamicCache
 
-from ..custom_generate.steps import cache_length, is_static_full_attention, new_cache, static_capacity
+from ..custom_generate.steps import cache_length, is_static_full_attention, static_cache_supported, static_capacity
 from .fixed_rows import FixedRowsForward, fixed_rows_of
 
 # graphs torch may compile for one forward's code (see CapturedForward.__call__)
@@ -116,7 +116,7 @@ def capture(model: nn.Module, rows=DRAFT_ROWS, compile_config: CompileConfig | N
         rows = tuple(rows)
         if not rows or any(not isinstance(r, int) or r < 1 for r in rows):
             raise ValueError(f"capture: rows must be row counts >= 1, got {rows!r}")
-    if not is_static_full_attention(new_cache(model, 1, static=True)):
+    if not static_cache_supported(model):
         raise ValueError(f"capture: {type(model).__name__} has sliding-window or other cache layers; a captured step "
                          "needs a static cache of full-attention layers")
     if fixed is not None:
