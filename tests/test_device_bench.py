@@ -21,9 +21,6 @@ def test_device_report_on_the_cpu(tmp_path, capsys):
             assert set(r["curve_ms"]) == {"1", "2", "3", "4"} and all(v > 0 for v in r["curve_ms"].values())
             assert set(r["agreement"]) == {"5", "20"} and set(r["agreement"]["5"]) == {"1", "2", "3", "4", "prefill"}
     assert settings["rows-alone"]["exact"]  # each row computed alone: exact by construction on a CPU
-    # every call of the captured exact target through one compiled function (whose numerics are not the eager
-    # model's here: the first call computed eagerly made this setting differ by 0.002 in bf16)
-    assert settings["fixed-rows"]["exact"] and settings["fixed-rows-captured"]["exact"]
     assert all(r["kernel_ms"] == {"1": None, "4": None} for r in settings.values() if isinstance(r, dict))
     assert "| tiny | rows-alone | yes |" in (out / "device.md").read_text()
 
