@@ -73,7 +73,7 @@ def _ours(name: str, policy: Callable[..., StoppingPolicy], needs_head: bool = F
 
 
 # prompt tokens the draft reads in the `pacer-window-*` methods
-DRAFT_WINDOWS = (32, 128)
+DRAFT_WINDOWS = (32, 64, 128)
 
 
 # tokens a lookup proposes: transformers' and llama.cpp's defaults for their prompt lookup are 10; pacer's rule
