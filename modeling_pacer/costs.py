@@ -34,7 +34,7 @@ from .custom_generate.costs import (  # noqa: F401 - the measurement, at the loo
 from .custom_generate.steps import crop_cache, model_forward
 from .draft_vocab import kept_tokens
 from .cpu.exact_linear import is_exact_linear
-from .cpu.fused_draft import FusedDraftStep, fused_layers
+from .cpu.fused_layers import FusedModelStep, fused_layers
 from .host import cache_root, cpuinfo_field
 from .resources import write_json
 
@@ -153,10 +153,10 @@ def describe_model(model) -> dict | None:
         linears=linears,
         # a draft whose LM head computes fewer tokens (modeling_pacer.draft_vocab) costs less per step
         **({"kept_tokens": kept} if (kept := kept_tokens(model)) is not None else {}),
-        # a draft whose decoder layers take one-token steps in pacer's kernels (modeling_pacer.cpu.fused_draft)
+        # a draft whose decoder layers take one-token steps in pacer's kernels (modeling_pacer.cpu.fused_layers)
         **({"fused_layers": fused} if (fused := fused_layers(model)) else {}),
-        # and whose decoding steps skip the model's own forward (modeling_pacer.cpu.fused_draft.FusedDraftStep)
-        **({"fused_model_step": True} if isinstance(getattr(model, "forward", None), FusedDraftStep) else {}),
+        # and whose decoding steps skip the model's own forward (modeling_pacer.cpu.fused_layers.FusedModelStep)
+        **({"fused_model_step": True} if isinstance(getattr(model, "forward", None), FusedModelStep) else {}),
     )
 
 

@@ -336,7 +336,7 @@ def record_trace(draft, target, input_ids: torch.Tensor, output: torch.Tensor, m
     # the draft reads what live decoding feeds it: its first forward the prompt and the first output token in
     # one call (an int4 draft's long call runs on its dense copy, as live), then the rest of the output in one
     # call computed row by row as its short decoding steps compute it (kernel_rows_only; a draft whose one-token
-    # steps run fused, modeling_pacer.cpu.fused_draft, computes them within bf16 rounding of these rows)
+    # steps run fused, modeling_pacer.cpu.fused_layers, computes them within bf16 rounding of these rows)
     fed = min(prefix + 1, ids.shape[1] - 1)
     first = draft(input_ids=ids[:, :fed].to(draft.device), use_cache=True, output_hidden_states=True,
                   **cache_kwargs(draft, cache))

@@ -255,7 +255,7 @@ def test_pacer_greedy_equals_int4_target(draft_kind):
     """PACER over an int4 target (every linear layer, LM head included) with an int4 or int8 draft (int4 on
     torch's kernel, with a dense prefill copy, or on pacer's kernel with it, as load_draft makes it): token for
     token the int4 target's own greedy `generate`, several prompts and lengths; "int4-fused": pacer's kernel with
-    the decoder layers fused (modeling_pacer/cpu/fused_draft.py), as load_draft makes it."""
+    the decoder layers fused (modeling_pacer/cpu/fused_layers.py), as load_draft makes it."""
     target = enable_pacer(make_exact(quantize_linears(_tiny_qwen2(seed=0).to(torch.bfloat16), "int4")))
     assert isinstance(target.lm_head, Int4Linear)
     draft = _tiny_qwen2(seed=0)
@@ -268,7 +268,7 @@ def test_pacer_greedy_equals_int4_target(draft_kind):
         draft = quantize_linears(draft.to(torch.bfloat16), "int4", dense_rows=None if draft_kind == "int4" else 4,
                                  int4_kernel="pacer" if draft_kind in ("int4-pacer", "int4-fused") else "torch")
         if draft_kind == "int4-fused":
-            from modeling_pacer.cpu.fused_draft import fuse_draft_layers
+            from modeling_pacer.cpu.fused_layers import fuse_draft_layers
 
             assert fuse_draft_layers(draft) == 2
     g = torch.Generator().manual_seed(1)

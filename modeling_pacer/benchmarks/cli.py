@@ -426,6 +426,7 @@ def run(args) -> dict:
     meta = run_meta(args.argv, pair=pair.name,
                 head=portable_path(args.head), max_new_tokens=args.max_new_tokens, threads=torch.get_num_threads(),
                 quantize_draft=args.quantize_draft, aligned_draft=pair.aligned_draft, quantize_target=pair.quantize_target,
+                fused_target=pair.fused_target,
                 draft_vocab=args.draft_vocab, dtype=str(pair.dtype).removeprefix("torch."), exact=pair.exact,
                 costs=costs.to_dict(), torch=torch.__version__,
                 sampling=dict(temperature=args.temperature, seed=args.seed) if args.do_sample else None,

@@ -31,7 +31,7 @@ class Method:
     `assistant_config` overrides the draft's generation config for transformers' assisted methods."""
 
     name: str
-    family: str  # "target", "hf", "pacer" or "llamacpp"
+    family: str  # "target", "hf", "pacer", "llamacpp" or "unfused" (the target alone on its eager layers)
     policy: Callable[[], StoppingPolicy] | None = None
     assistant_config: dict = field(default_factory=dict)
     needs_head: bool = False
@@ -52,14 +52,14 @@ class Method:
 
     @property
     def opt_in(self) -> bool:
-        """Chosen only when `--methods` names it: it needs an optional extra (llama.cpp)."""
-        return self.family == "llamacpp"
+        """Chosen only when `--methods` names it: it needs an optional extra (llama.cpp), or a fused target."""
+        return self.family in ("llamacpp", "unfused")
 
     @property
     def own_numerics(self) -> bool:
-        """Computes another function than the torch target (llama.cpp's quantized kernels): its output is
-        not expected to equal the target's, so it is never counted as a mismatch."""
-        return self.family == "llamacpp"
+        """Computes another function than the torch target (llama.cpp's quantized kernels, a fused target's eager
+        layers): its output is not expected to equal the target's, so it is never counted as a mismatch."""
+        return self.family in ("llamacpp", "unfused")
 
 
 def _hf(name: str, **assistant_config) -> Method:
@@ -90,6 +90,9 @@ def all_methods(gammas=(1, 2, 3, 4, 5, 6), head_config=None, costs=None, do_samp
     longest = head_config.max_draft_length if head_config else 16
     methods = [
         Method("target", "target"),
+        # opt-in: a fused target (load_pair's default for w4a8) alone on transformers' eager layers over the same
+        # kernels, the step fusing saves; its numbers are the eager layers'
+        Method("target-unfused", "unfused"),
         _hf("hf-assisted"),  # transformers' defaults: 20 tokens, confidence threshold 0.4
         _hf("hf-heuristic", num_assistant_tokens_schedule="heuristic", assistant_confidence_threshold=0.0),
         *[_hf(f"hf-constant-{g}", num_assistant_tokens=g, num_assistant_tokens_schedule="constant",
@@ -173,6 +176,11 @@ def run_method(method: Method, target, draft, head, input_ids: torch.Tensor, max
         return runner.generate(input_ids, max_new_tokens), None
     if method.family == "target":
         return GenerationMixin.generate(target, input_ids, **settings), None
+    if method.family == "unfused":
+        from ..cpu.fused_layers import eager_layers
+
+        with eager_layers(target):
+            return GenerationMixin.generate(target, input_ids, **settings), None
     if method.family == "hf" and method.lookup:  # transformers' prompt lookup: candidates from the prompt, no draft
         return GenerationMixin.generate(target, input_ids, prompt_lookup_num_tokens=method.lookup, **settings), None
     if method.family == "hf":

@@ -35,6 +35,7 @@ class LoadedPair:
     dtype: torch.dtype = torch.float32  # the target's
     exact: bool = False  # the target's verification is bitwise row-invariant (`make_exact`)
     quantize_target: str | None = None  # the target's weight-only quantization (TARGET_QUANTIZATIONS), if any
+    fused_target: bool = False  # the target's decoder layers run in pacer's kernels (`fuse_target_layers`)
     aligned_draft: str | None = None  # the LoRA adapter merged into the draft (`load_pair(aligned_draft=...)`), if any
 
     @property
@@ -42,7 +43,8 @@ class LoadedPair:
         """How the target runs: its dtype, "exact" where its verification is, and its weight quantization
         (e.g. "bfloat16 exact", "bfloat16 exact, int4 weights")."""
         return (str(self.dtype).removeprefix("torch.") + (" exact" if self.exact else "")
-                + (f", {self.quantize_target} weights" if self.quantize_target else ""))
+                + (f", {self.quantize_target} weights" if self.quantize_target else "")
+                + (", fused layers" if self.fused_target else ""))
 
     def describe(self) -> str:
         """One line for reports: the pair, the target's dtype and whether its verification is exact."""
@@ -176,6 +178,7 @@ def load_pair(
     device_map=None,
     quantize_draft: bool | str | None = None,
     quantize_target: str | None = None,
+    fuse_target: bool | None = None,
     exact: bool = True,
     load_in_8bit_target: bool = False,
     aligned_draft: str | os.PathLike | None = None,
@@ -205,6 +208,11 @@ def load_pair(
             compiler; [`modeling_pacer.cpu.kernels`]). Needs a GGUF target (a
             registered pair, or a `.gguf` file) and bf16 (`dtype="auto"` picks it).
             See [`modeling_pacer.cpu.quantization.quantize_from_gguf`].
+        fuse_target: run a "w4a8" target's decoder layers in two of pacer's kernel calls each, every forward
+            ([`modeling_pacer.cpu.fused_layers.fuse_target_layers`]): about 1.4x cheaper decoding steps than
+            transformers' eager layer over the same kernels, rows still bitwise alone; the fused target's numbers are
+            its own (close to the eager layer's, not equal), in plain decoding as under PACER. None (default): with
+            "w4a8"; True without it is refused.
         exact: make the target's verification forward bitwise equal, row for row, to single-token steps
             ([`modeling_pacer.make_exact`]), so greedy speculative decoding reproduces the target's own
             output exactly; the target alone runs the same function. Not with `load_in_8bit_target`.
@@ -236,6 +244,11 @@ def load_pair(
     if quantize_target is not None:
         _check_target_quantization(quantize_target, spec.target, dtype, load_in_8bit_target, device_map)
         dtype = torch.bfloat16
+    if fuse_target is None:
+        fuse_target = quantize_target == "w4a8"
+    elif fuse_target and quantize_target != "w4a8":
+        raise ValueError(f"fuse_target=True runs a W4A8 target's layers in pacer's kernels: it needs "
+                         f"quantize_target='w4a8' (got {quantize_target!r})")
     dtype = resolve_dtype(dtype, device_map)
     if draft_dtype is None:
         draft_dtype = default_draft_dtype(quantize_draft, dtype)
@@ -267,6 +280,15 @@ def load_pair(
         from ..exact import make_exact
 
         make_exact(target)
+    fused_target = False
+    if fuse_target:
+        from ..cpu.fused_layers import fuse_target_layers
+
+        # before any forward: every call the target makes then runs these layers
+        fused_target = fuse_target_layers(target) == target.config.get_text_config().num_hidden_layers
+        if not fused_target:
+            raise ValueError(f"fuse_target: {target.config.model_type} target's layers are not all W4A8 layers of a "
+                             f"Llama/Qwen2 architecture pacer's kernels compute; pass fuse_target=False")
     seconds["target"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     tokenizer = load_tokenizer(spec.target, pacer_cache, pair_name=spec.name)
@@ -276,7 +298,8 @@ def load_pair(
                              tokenizer=tokenizer, **common, **kwargs)
     seconds["draft"] = time.perf_counter() - t0
     return LoadedPair(target, draft_model, tokenizer, spec.name, spec.target, spec.draft, seconds, dtype, exact,
-                      quantize_target, None if aligned_draft is None else str(aligned_draft))
+                      quantize_target, fused_target=fused_target,
+                      aligned_draft=None if aligned_draft is None else str(aligned_draft))
 
 
 def default_draft_dtype(quantize_draft: str | None, dtype: torch.dtype | str) -> torch.dtype | str:
@@ -329,7 +352,7 @@ def load_draft(source: ModelSource | str, dtype: torch.dtype, quantize_draft: st
                 dense_rows = None if kernel == "pacer" else DRAFT_DENSE_ROWS
             draft_model = quantize_linears(draft_model, "int4", dense_rows=dense_rows, int4_kernel=kernel)
             place_on_huge_pages(draft_model)  # its int4 weights, streamed once a step
-            from ..cpu.fused_draft import fuse_draft_layers
+            from ..cpu.fused_layers import fuse_draft_layers
 
             # and its one-token steps two kernel calls a decoder layer, not ~40 torch operators (Llama / Qwen2)
             fuse_draft_layers(draft_model)
@@ -459,6 +482,12 @@ class PairArguments:
                           "a cheaper draft step, still lossless (the others are never drafted); default: the full "
                           "vocabulary", "metavar": "N", "type": int},
     )
+    fuse_target: bool = field(
+        default=True,
+        metadata={"help": "a w4a8 target's decoder layers run in two of pacer's kernel calls each (cheaper steps; its "
+                          "numbers its own, the same alone and under PACER); --no-fuse-target runs transformers' "
+                          "eager layers over the same kernels"},
+    )
 
     def __post_init__(self):
         unset = self.quantize_draft is None  # the pair's own setting, known once the pair is
@@ -495,8 +524,8 @@ class PairArguments:
 
 
 def add_pair_arguments(parser: argparse.ArgumentParser) -> None:
-    """`--pair`, `--target`, `--draft`, `--quantize-draft`, `--quantize-target`, `--dtype`, `--no-exact` on an
-    argparse parser, from [`PairArguments`]."""
+    """`--pair`, `--target`, `--draft`, `--quantize-draft`, `--quantize-target`, `--dtype`, `--no-exact`,
+    `--aligned-draft`, `--draft-vocab`, `--no-fuse-target` on an argparse parser, from [`PairArguments`]."""
     for f in dataclasses.fields(PairArguments):
         flag = "--" + f.name.replace("_", "-")
         extra = {k: f.metadata[k] for k in ("choices", "nargs", "const", "metavar", "type") if k in f.metadata}
@@ -514,7 +543,7 @@ def pair_from_args(args, **kwargs) -> LoadedPair:
     return load_pair(args.target or args.pair or DEFAULT_PAIR, args.draft, quantize_draft=args.quantize_draft or False,
                      quantize_target=args.quantize_target, dtype=args.dtype, exact=args.exact,
                      aligned_draft=getattr(args, "aligned_draft", None), draft_vocab=getattr(args, "draft_vocab", None),
-                     **kwargs)
+                     fuse_target=None if getattr(args, "fuse_target", True) else False, **kwargs)
 
 
 def _bnb_8bit_config():

@@ -40,7 +40,7 @@ from ...host import build_once, cache_root, cpuinfo_field, private_folder, trust
 SOURCE = Path(__file__).with_name("vnni_matmul.cpp")  # the kernels (raw pointers)
 OPS = Path(__file__).with_name("ops.cpp")  # their torch operators; includes SOURCE
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
-ABI = 10  # pacer_kernel_abi() of the source this module calls
+ABI = 11  # pacer_kernel_abi() of the source this module calls
 
 
 def _torch_flags() -> list[str]:
@@ -157,13 +157,13 @@ def _register_fakes() -> None:
         batch, heads, rows, dim = query.shape
         return query.new_empty((batch, rows, heads, dim), dtype=torch.float32)
 
-    @fake("pacer::draft_qkv")
-    def _(hidden, norm, eps, packed, sz, bias, cos, sin, head_dim):
+    @fake("pacer::layer_qkv")
+    def _(hidden, norm, eps, kinds, packed, a, mn, dd, bias, n, cos, sin, head_dim):
         rows = hidden.shape[0]
-        return tuple(hidden.new_empty((1, 16 * p.shape[0] // head_dim, rows, head_dim), dtype=torch.bfloat16)
-                     for p in packed)
+        return tuple(hidden.new_empty((1, size // head_dim, rows, head_dim), dtype=torch.bfloat16) for size in n)
 
-    fake("pacer::draft_rest")(lambda q, keys, values, scaling, hidden, norm, eps, packed, sz, bias: torch.empty_like(hidden))
+    fake("pacer::layer_rest")(
+        lambda q, keys, values, scaling, hidden, norm, eps, kinds, packed, a, mn, dd, bias, n: torch.empty_like(hidden))
 
 
 def available() -> bool:
@@ -266,25 +266,31 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tenso
     return _library().int4_matmul(packed, scales_zeros, n, rows.q, rows.scale, rows.group_sums, bias, bf16)
 
 
-def draft_qkv(hidden: torch.Tensor, norm: torch.Tensor, eps: float, weights, cos: torch.Tensor,
+# the kinds of linear layer the fused layers read (vnni_matmul.cpp's Weight): int4 (an Int4Linear(kernel="pacer")),
+# Q4_K (a W4A8Linear), int8 (a W8A8Linear)
+LINEAR_KINDS = {"int4": 0, "q4k": 1, "int8": 2}
+
+
+def layer_qkv(hidden: torch.Tensor, norm: torch.Tensor, eps: float, weights, cos: torch.Tensor,
               sin: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A few new tokens' `hidden` ((m, size), bf16, contiguous) -> RMSNorm (`norm`, `eps`) -> the q, k, v
-    `weights` (the q, k, v Int4Linear(kernel="pacer") layers' packed weights, scales and zeros, float biases: three
-    lists) -> rotary embeddings (`cos`, `sin`:
-    (m, `head_dim`), bf16). Returns q (1, heads, m, d), k and v (1, kv_heads, m, d), bf16, as transformers'
-    attention hands them to its cache; each row as a one-row call gives it."""
+    """New tokens' `hidden` ((m, size), bf16, contiguous) -> RMSNorm (`norm`, `eps`) -> the q, k, v projections
+    (`weights`: six lists of three, as `modeling_pacer.cpu.fused_layers` reads a layer's buffers: kinds
+    (`LINEAR_KINDS`), packed weights, first scales, Q4_K minima or None, Q4_K super-scales or None, float biases or
+    None, and one list of output sizes) -> rotary embeddings (`cos`, `sin`: (m, `head_dim`), bf16). Returns q
+    (1, heads, m, d), k and v (1, kv_heads, m, d), bf16, as transformers' attention hands them to its cache; each row
+    as a one-row call gives it."""
     require_cpu(hidden, norm, cos, sin)  # the weights: the dispatcher refuses them elsewhere (a CPU kernel only)
-    return _library().draft_qkv(hidden, norm, eps, *weights, cos, sin, head_dim)
+    return _library().layer_qkv(hidden, norm, eps, *weights, cos, sin, head_dim)
 
 
-def draft_rest(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, hidden: torch.Tensor,
+def layer_rest(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, hidden: torch.Tensor,
                norm: torch.Tensor, eps: float, weights) -> torch.Tensor:
     """The rest of a decoder layer for the m new tokens: `q` (1, heads, m, d) attends to `keys`/`values`
     (1, kv_heads, length, d, the new tokens last; row r sees keys 0..length - m + r), then o_proj, the residual onto
-    `hidden` (m, size), RMSNorm (`norm`, `eps`), the SiLU-gated MLP and its residual. `weights`: the o, gate, up, down layers'
-    (Int4Linear(kernel="pacer")) as `draft_qkv` reads them. bf16 in and out, (m, size)."""
+    `hidden` (m, size), RMSNorm (`norm`, `eps`), the SiLU-gated MLP and its residual. `weights`: the o, gate, up,
+    down layers' as [`layer_qkv`] reads them. bf16 in and out, (m, size)."""
     require_cpu(q, keys, values, hidden, norm)
-    return _library().draft_rest(q, keys, values, scaling, hidden, norm, eps, *weights)
+    return _library().layer_rest(q, keys, values, scaling, hidden, norm, eps, *weights)
 
 
 def exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,

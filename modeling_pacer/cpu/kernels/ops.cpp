@@ -73,41 +73,58 @@ at::Tensor exact_attention(const at::Tensor& query, const at::Tensor& key, const
     return out;
 }
 
-// an Int4Linear(kernel="pacer")'s buffers as the fused kernels read them: out features = 16 per tile of `packed`
-std::vector<I4Weight> weights(const std::vector<at::Tensor>& packed, const std::vector<at::Tensor>& sz,
-                              const std::vector<std::optional<at::Tensor>>& bias) {
-    TORCH_CHECK(packed.size() == sz.size() && packed.size() == bias.size(), "pacer: one scales and one bias per weight");
-    std::vector<I4Weight> ws;
-    for (size_t i = 0; i < packed.size(); ++i)
-        ws.push_back(I4Weight{in<uint8_t>(packed[i]), in<uint16_t>(sz[i]), maybe(bias[i]), 16 * packed[i].size(0)});
+// linear layers' buffers as the fused layers read them (vnni_matmul.cpp's Weight): per layer its kind (0 an
+// Int4Linear(kernel="pacer"), 1 a W4A8Linear, 2 a W8A8Linear), packed weight, first scales (int4: scales and zeros;
+// Q4_K: sc; int8: the per-output scales), Q4_K's minima and super-block scales, float bias, outputs
+std::vector<Weight> weights(const std::vector<int64_t>& kinds, const std::vector<at::Tensor>& packed,
+                            const std::vector<at::Tensor>& a, const std::vector<std::optional<at::Tensor>>& mn,
+                            const std::vector<std::optional<at::Tensor>>& dd,
+                            const std::vector<std::optional<at::Tensor>>& bias, const std::vector<int64_t>& n) {
+    const size_t count = kinds.size();
+    TORCH_CHECK(packed.size() == count && a.size() == count && mn.size() == count && dd.size() == count &&
+                    bias.size() == count && n.size() == count,
+                "pacer: one kind, packed weight, scales, minima, super-scales, bias and size per layer");
+    std::vector<Weight> ws;
+    for (size_t i = 0; i < count; ++i) {
+        const int64_t kind = kinds[i];
+        TORCH_CHECK(kind >= KIND_INT4 && kind <= KIND_Q8, "pacer: unknown linear kind ", kind);
+        TORCH_CHECK(kind != KIND_Q4K || (mn[i] && dd[i]), "pacer: a Q4_K layer needs its minima and super-scales");
+        ws.push_back(Weight{kind, in<uint8_t>(packed[i]), a[i].const_data_ptr(),
+                            mn[i] ? in<uint8_t>(*mn[i]) : nullptr, dd[i] ? in<uint16_t>(*dd[i]) : nullptr,
+                            maybe(bias[i]), n[i]});
+    }
     return ws;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> draft_qkv(
-        const at::Tensor& hidden, const at::Tensor& norm, double eps, const std::vector<at::Tensor>& packed,
-        const std::vector<at::Tensor>& sz, const std::vector<std::optional<at::Tensor>>& bias, const at::Tensor& cos,
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_qkv(
+        const at::Tensor& hidden, const at::Tensor& norm, double eps, const std::vector<int64_t>& kinds,
+        const std::vector<at::Tensor>& packed, const std::vector<at::Tensor>& a,
+        const std::vector<std::optional<at::Tensor>>& mn, const std::vector<std::optional<at::Tensor>>& dd,
+        const std::vector<std::optional<at::Tensor>>& bias, const std::vector<int64_t>& n, const at::Tensor& cos,
         const at::Tensor& sin, int64_t head_dim) {
-    const auto ws = weights(packed, sz, bias);
-    TORCH_CHECK(ws.size() == 3, "pacer::draft_qkv reads the q, k and v projections");
+    const auto ws = weights(kinds, packed, a, mn, dd, bias, n);
+    TORCH_CHECK(ws.size() == 3, "pacer::layer_qkv reads the q, k and v projections");
     const int64_t m = hidden.size(0);
     auto options = at::TensorOptions().dtype(at::kBFloat16);
     auto q = at::empty({1, ws[0].n / head_dim, m, head_dim}, options);
     auto k = at::empty({1, ws[1].n / head_dim, m, head_dim}, options);
     auto v = at::empty({1, ws[2].n / head_dim, m, head_dim}, options);
-    pacer_draft_qkv(in<uint16_t>(hidden), m, hidden.size(1), in<uint16_t>(norm), static_cast<float>(eps), ws.data(),
+    pacer_layer_qkv(in<uint16_t>(hidden), m, hidden.size(1), in<uint16_t>(norm), static_cast<float>(eps), ws.data(),
                     in<uint16_t>(cos), in<uint16_t>(sin), head_dim, static_cast<uint16_t*>(q.mutable_data_ptr()),
                     static_cast<uint16_t*>(k.mutable_data_ptr()), static_cast<uint16_t*>(v.mutable_data_ptr()));
     return {q, k, v};
 }
 
-at::Tensor draft_rest(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, double scaling,
-                      const at::Tensor& hidden, const at::Tensor& norm, double eps,
-                      const std::vector<at::Tensor>& packed, const std::vector<at::Tensor>& sz,
-                      const std::vector<std::optional<at::Tensor>>& bias) {
-    const auto ws = weights(packed, sz, bias);
-    TORCH_CHECK(ws.size() == 4, "pacer::draft_rest reads the o, gate, up and down projections");
+at::Tensor layer_rest(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, double scaling,
+                      const at::Tensor& hidden, const at::Tensor& norm, double eps, const std::vector<int64_t>& kinds,
+                      const std::vector<at::Tensor>& packed, const std::vector<at::Tensor>& a,
+                      const std::vector<std::optional<at::Tensor>>& mn,
+                      const std::vector<std::optional<at::Tensor>>& dd,
+                      const std::vector<std::optional<at::Tensor>>& bias, const std::vector<int64_t>& n) {
+    const auto ws = weights(kinds, packed, a, mn, dd, bias, n);
+    TORCH_CHECK(ws.size() == 4, "pacer::layer_rest reads the o, gate, up and down projections");
     auto out = at::empty(hidden.sizes(), hidden.options());
-    pacer_draft_rest(in<uint16_t>(q), in<uint16_t>(keys), in<uint16_t>(values), q.size(2), q.size(1), keys.size(1),
+    pacer_layer_rest(in<uint16_t>(q), in<uint16_t>(keys), in<uint16_t>(values), q.size(2), q.size(1), keys.size(1),
                      keys.size(2), q.size(3), static_cast<float>(scaling), in<uint16_t>(hidden), hidden.size(-1),
                      in<uint16_t>(norm), static_cast<float>(eps), ws.data(), ws[1].n,
                      static_cast<uint16_t*>(out.mutable_data_ptr()));
@@ -129,10 +146,10 @@ TORCH_LIBRARY(pacer, m) {
     m.def("int4_matmul(Tensor packed, Tensor sz, int n, Tensor q, Tensor scale, Tensor sums, Tensor? bias, "
           "bool bf16) -> Tensor");
     m.def("exact_attention(Tensor query, Tensor key, Tensor value, Tensor lo, Tensor hi, float scaling) -> Tensor");
-    m.def("draft_qkv(Tensor hidden, Tensor norm, float eps, Tensor[] packed, Tensor[] sz, Tensor?[] bias, Tensor cos, "
-          "Tensor sin, int head_dim) -> (Tensor, Tensor, Tensor)");
-    m.def("draft_rest(Tensor q, Tensor keys, Tensor values, float scaling, Tensor hidden, Tensor norm, float eps, "
-          "Tensor[] packed, Tensor[] sz, Tensor?[] bias) -> Tensor");
+    m.def("layer_qkv(Tensor hidden, Tensor norm, float eps, int[] kinds, Tensor[] packed, Tensor[] a, Tensor?[] mn, "
+          "Tensor?[] dd, Tensor?[] bias, int[] n, Tensor cos, Tensor sin, int head_dim) -> (Tensor, Tensor, Tensor)");
+    m.def("layer_rest(Tensor q, Tensor keys, Tensor values, float scaling, Tensor hidden, Tensor norm, float eps, "
+          "int[] kinds, Tensor[] packed, Tensor[] a, Tensor?[] mn, Tensor?[] dd, Tensor?[] bias, int[] n) -> Tensor");
 #endif
 }
 
@@ -143,7 +160,7 @@ TORCH_LIBRARY_IMPL(pacer, CPU, m) {
     m.impl("q8_matmul", &q8_matmul);
     m.impl("int4_matmul", &int4_matmul);
     m.impl("exact_attention", &exact_attention);
-    m.impl("draft_qkv", &draft_qkv);
-    m.impl("draft_rest", &draft_rest);
+    m.impl("layer_qkv", &layer_qkv);
+    m.impl("layer_rest", &layer_rest);
 }
 #endif

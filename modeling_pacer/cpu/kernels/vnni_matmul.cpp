@@ -27,7 +27,7 @@
 #include <immintrin.h>
 #endif
 
-extern "C" int pacer_kernel_abi() { return 10; }
+extern "C" int pacer_kernel_abi() { return 11; }
 
 #ifdef PACER_VNNI
 extern "C" int pacer_vnni_available() { return 1; }
@@ -37,6 +37,7 @@ extern "C" int pacer_vnni_available() { return 1; }
 extern "C" void pacer_quantize_rows(const uint16_t* x, int64_t m, int64_t k, int64_t block, int8_t* xq, float* sx,
                                     int16_t* xs) {
     const int64_t blocks = k / block;
+#pragma omp parallel for schedule(static) if (m >= 8)  // a prompt's rows over threads; each row alone either way
     for (int64_t r = 0; r < m; ++r) {
         for (int64_t b = 0; b < blocks; ++b) {
             const uint16_t* src = x + r * k + b * block;
@@ -346,13 +347,13 @@ extern "C" void pacer_exact_attention(const uint16_t* q, const uint16_t* k, cons
     }
 }
 
-// A draft's decoder layer (Llama / Qwen2: RMSNorm, rotary embeddings by rotate_half, grouped-query attention, a
-// SiLU-gated MLP) for a few new tokens of one sequence (a decoding step, or the catch-up after a verification), in
-// two calls: the eager layer runs about forty small torch operators, each a few microseconds of dispatch, where the
-// arithmetic of a row takes less. Every linear layer is an int4 weight read by i4_tile, once for all the rows; every
-// intermediate is rounded to bf16 where transformers' eager bf16 layer rounds it, so the step follows that layer's
-// numerics closely (not bitwise: float sums run in another order). Each row is computed alone (row-invariant
-// kernels, attention row by row), so a call of several tokens gives bitwise what one-token calls give.
+// A decoder layer (Llama / Qwen2: RMSNorm, rotary embeddings by rotate_half, grouped-query attention, a SiLU-gated
+// MLP) in two calls: the eager layer runs about forty small torch operators, each a few microseconds of dispatch,
+// where the arithmetic of a decoding step's row takes less. Every linear layer is read by its kernel above, once for
+// all the rows; every intermediate is rounded to bf16 where transformers' eager bf16 layer rounds it, so the layer
+// follows the eager one's numerics closely (not bitwise: the norm's float sum and the SiLU's exp run in another
+// order). Each row is computed alone (row-invariant kernels, norms and attention row by row), so a call of any number
+// of tokens gives bitwise what one-token calls give.
 static inline float bf2f(uint16_t b) {
     const uint32_t u = uint32_t(b) << 16;
     float f;
@@ -368,6 +369,10 @@ static inline uint16_t f2bf(float f) {  // round to nearest even, as torch conve
 }
 
 static inline float round_bf(float f) { return bf2f(f2bf(f)); }
+
+// calls of this many rows or more (a prompt) split their row-wise loops over threads: each row (each element) is
+// still computed by the same code alone; fewer rows (a decoding step) stay on one thread, cheaper than waking others
+static const int64_t PARALLEL_ROWS = 8;
 
 // transformers' RMSNorm: weight * bf16(x * rsqrt(mean(x^2) + eps)), x in float
 static void rms_norm(const uint16_t* x, const uint16_t* w, int64_t n, float eps, uint16_t* out) {
@@ -391,28 +396,61 @@ static void rotary(uint16_t* x, int64_t heads, int64_t d, const uint16_t* cos, c
     }
 }
 
-struct I4Weight {  // one Int4Linear(kernel="pacer"): packed tiles, bf16 scales and zeros, float bias or null
+// One linear layer as the fused layers read it, n outputs, a float bias or null:
+//   kind 0, an Int4Linear(kernel="pacer"): packed, a = scales and zeros (bf16 bits)        pacer_i4_matmul
+//   kind 1, a W4A8Linear (Q4_K):           packed, a = sc, mn, dd                           pacer_q4k_matmul
+//   kind 2, a W8A8Linear (int8):           packed, a = one float scale per output           pacer_q8_matmul
+enum { KIND_INT4 = 0, KIND_Q4K = 1, KIND_Q8 = 2 };
+struct Weight {
+    int64_t kind;
     const uint8_t* packed;
-    const uint16_t* sz;
+    const void* a;
+    const uint8_t* mn;
+    const uint16_t* dd;
     const float* bias;
     int64_t n;
 };
 
-// bf16 rows quantized as pacer_i4_matmul reads them (blocks of 32)
+// bf16 rows quantized as the kernels read them (pacer_quantize_rows, blocks of `block`)
 struct QuantRows {
     int64_t m, k;
     int8_t* xq;
     float* sx;
     int16_t* xs;
-    QuantRows(const uint16_t* x, int64_t m, int64_t k)
+    QuantRows(const uint16_t* x, int64_t m, int64_t k, int64_t block)
         : m(m), k(k), xq(new int8_t[m * k]), sx(new float[m * k / 32]), xs(new int16_t[m * k / 32]) {
-        pacer_quantize_rows(x, m, k, 32, xq, sx, xs);
+        pacer_quantize_rows(x, m, k, block, xq, sx, xs);
     }
     ~QuantRows() { delete[] xq; delete[] sx; delete[] xs; }
 };
 
-static void i4_rows(const I4Weight& w, const QuantRows& x, uint16_t* out) {
-    pacer_i4_matmul(w.packed, w.sz, w.n, x.k, x.xq, x.sx, x.xs, x.m, w.bias, 1, out);
+// a call's input rows, quantized once per block size its layers read (q, k and v read one input; so do gate and up)
+struct Inputs {
+    const uint16_t* x;
+    int64_t m, k;
+    QuantRows* by32 = nullptr;
+    QuantRows* by256 = nullptr;
+    Inputs(const uint16_t* x, int64_t m, int64_t k) : x(x), m(m), k(k) {}
+    ~Inputs() { delete by32; delete by256; }
+    const QuantRows& rows(int64_t block) {
+        QuantRows*& q = block == 256 ? by256 : by32;
+        if (!q) q = new QuantRows(x, m, k, block);
+        return *q;
+    }
+};
+
+static void linear_rows(const Weight& w, Inputs& in, uint16_t* out) {
+    if (w.kind == KIND_Q4K) {
+        const QuantRows& x = in.rows(256);
+        pacer_q4k_matmul(w.packed, static_cast<const uint8_t*>(w.a), w.mn, w.dd, w.n, x.k, x.xq, x.sx, x.xs, x.m,
+                         w.bias, 1, out);
+    } else if (w.kind == KIND_Q8) {
+        const QuantRows& x = in.rows(32);
+        pacer_q8_matmul(w.packed, static_cast<const float*>(w.a), w.n, x.k, x.xq, x.sx, x.xs, x.m, w.bias, 1, out);
+    } else {
+        const QuantRows& x = in.rows(32);
+        pacer_i4_matmul(w.packed, static_cast<const uint16_t*>(w.a), w.n, x.k, x.xq, x.sx, x.xs, x.m, w.bias, 1, out);
+    }
 }
 
 // (m, heads, d) rows -> (heads, m, d), as transformers' attention and cache hold them
@@ -423,19 +461,22 @@ static void heads_first(const uint16_t* x, int64_t m, int64_t heads, int64_t d, 
 
 // ws: q, k, v projections. h (m, hidden) -> q (heads, m, d), k and v (kv_heads, m, d), rotated (cos, sin: (m, d)),
 // bf16.
-extern "C" void pacer_draft_qkv(const uint16_t* h, int64_t m, int64_t hidden, const uint16_t* norm, float eps,
-                                const I4Weight* ws, const uint16_t* cos, const uint16_t* sin, int64_t d, uint16_t* q,
+extern "C" void pacer_layer_qkv(const uint16_t* h, int64_t m, int64_t hidden, const uint16_t* norm, float eps,
+                                const Weight* ws, const uint16_t* cos, const uint16_t* sin, int64_t d, uint16_t* q,
                                 uint16_t* k, uint16_t* v) {
     uint16_t* x = new uint16_t[m * hidden];
+#pragma omp parallel for schedule(static) if (m >= PARALLEL_ROWS)
     for (int64_t r = 0; r < m; ++r) rms_norm(h + r * hidden, norm, hidden, eps, x + r * hidden);
-    const QuantRows xr(x, m, hidden);
+    Inputs normed(x, m, hidden);
     uint16_t* outs[3] = {q, k, v};
     for (int i = 0; i < 3; ++i) {
         const int64_t n = ws[i].n;
         uint16_t* rows = new uint16_t[m * n];
-        i4_rows(ws[i], xr, rows);
-        if (i < 2)
+        linear_rows(ws[i], normed, rows);
+        if (i < 2) {
+#pragma omp parallel for schedule(static) if (m >= PARALLEL_ROWS)
             for (int64_t r = 0; r < m; ++r) rotary(rows + r * n, n / d, d, cos + r * d, sin + r * d);
+        }
         heads_first(rows, m, n / d, d, outs[i]);
         delete[] rows;
     }
@@ -445,9 +486,9 @@ extern "C" void pacer_draft_qkv(const uint16_t* h, int64_t m, int64_t hidden, co
 // ws: o, gate, up, down projections. q (heads, m, d), the m new tokens' queries, against the cached keys and values
 // (kv_heads, length, d; the new tokens last): row r sees keys 0 .. length - m + r. Then o_proj, the residual, the MLP
 // and its residual: h (m, hidden) -> out (m, hidden), bf16.
-extern "C" void pacer_draft_rest(const uint16_t* q, const uint16_t* keys, const uint16_t* values, int64_t m,
+extern "C" void pacer_layer_rest(const uint16_t* q, const uint16_t* keys, const uint16_t* values, int64_t m,
                                  int64_t heads, int64_t kv_heads, int64_t length, int64_t d, float scaling,
-                                 const uint16_t* h, int64_t hidden, const uint16_t* norm, float eps, const I4Weight* ws,
+                                 const uint16_t* h, int64_t hidden, const uint16_t* norm, float eps, const Weight* ws,
                                  int64_t inter, uint16_t* out) {
     float* attn = new float[m * heads * d];
     int64_t* lo = new int64_t[m];
@@ -456,22 +497,35 @@ extern "C" void pacer_draft_rest(const uint16_t* q, const uint16_t* keys, const 
     pacer_exact_attention(q, keys, values, 1, heads, kv_heads, m, length, d, lo, hi, scaling, attn);
     const int64_t wide = heads * d > inter ? heads * d : inter;
     uint16_t* a = new uint16_t[m * wide];
+#pragma omp parallel for schedule(static) if (m >= PARALLEL_ROWS)
     for (int64_t i = 0; i < m * heads * d; ++i) a[i] = f2bf(attn[i]);
     uint16_t* o = new uint16_t[m * hidden];
-    i4_rows(ws[0], QuantRows(a, m, heads * d), o);
+    {
+        Inputs attended(a, m, heads * d);
+        linear_rows(ws[0], attended, o);
+    }
     uint16_t* mid = new uint16_t[m * hidden];
+#pragma omp parallel for schedule(static) if (m >= PARALLEL_ROWS)
     for (int64_t i = 0; i < m * hidden; ++i) mid[i] = f2bf(bf2f(h[i]) + bf2f(o[i]));
+#pragma omp parallel for schedule(static) if (m >= PARALLEL_ROWS)
     for (int64_t r = 0; r < m; ++r) rms_norm(mid + r * hidden, norm, hidden, eps, o + r * hidden);
     uint16_t* gate = new uint16_t[m * inter];
     uint16_t* up = new uint16_t[m * inter];
-    const QuantRows normed(o, m, hidden);
-    i4_rows(ws[1], normed, gate);
-    i4_rows(ws[2], normed, up);
+    {
+        Inputs normed(o, m, hidden);
+        linear_rows(ws[1], normed, gate);
+        linear_rows(ws[2], normed, up);
+    }
+#pragma omp parallel for schedule(static) if (m >= PARALLEL_ROWS)
     for (int64_t i = 0; i < m * inter; ++i) {
         const float g = bf2f(gate[i]);
         a[i] = f2bf(round_bf(g / (1.0f + std::exp(-g))) * bf2f(up[i]));
     }
-    i4_rows(ws[3], QuantRows(a, m, inter), o);
+    {
+        Inputs activated(a, m, inter);
+        linear_rows(ws[3], activated, o);
+    }
+#pragma omp parallel for schedule(static) if (m >= PARALLEL_ROWS)
     for (int64_t i = 0; i < m * hidden; ++i) out[i] = f2bf(bf2f(mid[i]) + bf2f(o[i]));
     delete[] attn;
     delete[] lo;

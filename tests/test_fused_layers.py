@@ -1,6 +1,9 @@
-"""A draft's decoder layers in two kernel calls per token (modeling_pacer/cpu/fused_draft.py): one-token steps follow
+"""Decoder layers in two kernel calls each (modeling_pacer/cpu/fused_layers.py). A draft's: one-token steps follow
 the eager layer's numbers to bf16 rounding, anything else runs the eager layer itself, the layers it cannot take
-are left alone (PACER's greedy identity with such a draft: tests/test_quantization.py, draft_kind "int4-fused")."""
+are left alone (PACER's greedy identity with such a draft: tests/test_quantization.py, draft_kind "int4-fused").
+A W4A8 target's: every call of one sequence on the kernels, each row bitwise alone (a prefill whole or in chunks, a
+verification block, steps), close to the eager layer's numbers; PACER over it is token for token its own greedy
+output, and its sampling the fused target's distribution."""
 
 import copy
 
@@ -10,11 +13,16 @@ from transformers import DynamicCache
 
 from modeling_pacer.cpu import kernels
 from modeling_pacer.costs import describe_model
-from modeling_pacer.cpu.fused_draft import MAX_ROWS, FusedDecoderStep, FusedDraftStep, fuse_draft_layers, fused_layers
-from modeling_pacer.cpu.quantization import quantize_linears
+from modeling_pacer import FixedLength, enable_pacer
+from modeling_pacer.cpu.fused_layers import (
+    MAX_ROWS, FusedDecoderStep, FusedModelStep, eager_layers, fuse_draft_layers, fuse_target_layers, fused_layers,
+)
+from modeling_pacer.cpu.quantization import W4A8Linear, W8A8Linear, quantize_linears
+from modeling_pacer.exact import make_exact
 
 from conftest import make_model
 from test_quantization import _tiny_qwen2
+from test_sampling import _chi_square_p_value
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"pacer's kernels: {kernels.unavailable_reason()}")
 
@@ -81,7 +89,7 @@ def test_other_calls_run_the_eager_layer(monkeypatch):
     fused = copy.deepcopy(eager)
     fuse_draft_layers(fused)
     calls = []
-    monkeypatch.setattr(kernels, "draft_qkv", lambda *a, _f=kernels.draft_qkv: calls.append(1) or _f(*a))
+    monkeypatch.setattr(kernels, "layer_qkv", lambda *a, _f=kernels.layer_qkv: calls.append(1) or _f(*a))
     ids = torch.randint(0, eager.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(2))
     prompt = torch.randint(0, eager.config.vocab_size, (1, MAX_ROWS + 1), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
@@ -110,7 +118,7 @@ def test_steps_read_the_projections_current_buffers(monkeypatch):
     fuse_draft_layers(fused)
     ids = torch.randint(0, fused.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(6))
     calls = []
-    monkeypatch.setattr(kernels, "draft_qkv", lambda *a, _f=kernels.draft_qkv: calls.append(1) or _f(*a))
+    monkeypatch.setattr(kernels, "layer_qkv", lambda *a, _f=kernels.layer_qkv: calls.append(1) or _f(*a))
 
     def step_logits(model):
         cache = DynamicCache(config=model.config)
@@ -149,19 +157,19 @@ def test_only_int4_kernel_layers_of_known_architectures_are_routed():
 
 
 def test_the_model_step_is_the_layers_step(monkeypatch):
-    """With every layer routed, the model's own forward is routed too (FusedDraftStep): a decoding step of 1 to
+    """With every layer routed, the model's own forward is routed too (FusedModelStep): a decoding step of 1 to
     MAX_ROWS tokens without hidden states asked for gives bitwise the logits and cache of the same step through the
     model's forward over the routed layers; a prompt (empty cache), hidden states, a padded mask, position ids and
     gradients go through the model's forward."""
     fused = _int4_draft(seed=5)
     before = describe_model(fused)
     fuse_draft_layers(fused)
-    assert isinstance(fused.forward, FusedDraftStep)
+    assert isinstance(fused.forward, FusedModelStep)
     # a cost curve of the routed model is its own
     assert describe_model(fused) == dict(before, fused_layers=2, fused_model_step=True)
     step = fused.forward
     taken = []
-    monkeypatch.setattr(FusedDraftStep, "_takes", lambda self, *a, _f=FusedDraftStep._takes: taken.append(_f(self, *a))
+    monkeypatch.setattr(FusedModelStep, "_takes", lambda self, *a, _f=FusedModelStep._takes: taken.append(_f(self, *a))
                         or taken[-1])
     ids = torch.randint(0, fused.config.vocab_size, (1, 6 + MAX_ROWS), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
@@ -230,3 +238,177 @@ def test_the_kernels_are_torch_operators_a_draft_step_compiles_through():
     checks.append((torch.ops.pacer.int4_matmul.default, (packed, sz, layer.out_features, q, scale, sums, None, True)))
     for op, args in checks:
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+
+
+def _w4a8_target(seed: int = 0, vocab: int = 96):
+    """A tiny Qwen2 target as load_pair(quantize_target="w4a8") makes one: W4A8 layers (v and down on W8A8, as a
+    Q4_K_M file's Q6_K tensors), pacer_exact attention."""
+    model = quantize_linears(_tiny_qwen2(seed=seed, vocab=vocab).to(torch.bfloat16), "w4a8")
+    for layer in model.model.layers:
+        for parent, name in ((layer.self_attn, "v_proj"), (layer.mlp, "down_proj")):
+            setattr(parent, name, W8A8Linear.from_linear(_dense(getattr(parent, name))))
+    return make_exact(model)
+
+
+def _dense(layer):
+    """A W4A8 layer's weights as an nn.Linear (the values a W8A8 layer is then made of)."""
+    x = torch.eye(layer.in_features, dtype=torch.bfloat16)
+    with torch.no_grad():
+        weight = layer(x).float().t()
+    linear = torch.nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None)
+    with torch.no_grad():
+        linear.weight.copy_(weight if layer.bias is None else weight - layer.bias[:, None])
+        if layer.bias is not None:
+            linear.bias.copy_(layer.bias)
+    return linear
+
+
+def _noisy_draft(noise: float = 0.2, target_seed: int = 0):
+    """An int4 draft on pacer's kernel, fused, made of the target's weights plus noise: drafts partly accepted."""
+    draft = _tiny_qwen2(seed=target_seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(noise * p.std() * torch.randn_like(p))
+    draft = quantize_linears(draft.to(torch.bfloat16), "int4", int4_kernel="pacer")
+    assert fuse_draft_layers(draft) == draft.config.num_hidden_layers
+    return draft
+
+
+def test_a_target_runs_every_call_on_the_kernels_each_row_alone(monkeypatch):
+    """fuse_target_layers: every layer and the model's step routed; a prompt whole, in chunks, without a cache, and
+    blocks of 1 to 17 tokens after it give bitwise the rows (logits, cache) of one-token steps; every one of those
+    calls ran on the kernels; the numbers stay within bf16 rounding of the eager layers'."""
+    eager = _w4a8_target()
+    assert isinstance(eager.model.layers[0].self_attn.v_proj, W8A8Linear)
+    assert isinstance(eager.model.layers[0].self_attn.q_proj, W4A8Linear)
+    fused = copy.deepcopy(eager)
+    assert fuse_target_layers(fused) == 2 == fused_layers(fused)
+    assert isinstance(fused.forward, FusedModelStep) and fused._pacer_exact == "rows-alone"
+    calls = []
+    monkeypatch.setattr(kernels, "layer_qkv", lambda *a, _f=kernels.layer_qkv: calls.append(a[0].shape[0]) or _f(*a))
+    ids = torch.randint(0, 96, (1, 48), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        steps_cache = DynamicCache(config=fused.config)
+        steps = torch.cat([fused(ids[:, i:i + 1], past_key_values=steps_cache).logits for i in range(48)], dim=1)
+        assert calls == [1] * 2 * 48
+        whole = fused(ids).logits  # no cache handed in: the model makes one
+        assert torch.equal(whole, steps)
+        calls.clear()
+        assert torch.equal(fused(ids, use_cache=False).logits, steps)  # no cache at all
+        assert calls == [48, 48]
+        chunked_cache = DynamicCache(config=fused.config)
+        chunks = [fused(ids[:, a:b], past_key_values=chunked_cache).logits for a, b in ((0, 13), (13, 20), (20, 30))]
+        assert torch.equal(torch.cat(chunks, dim=1), steps[:, :30])
+        for rows in (1, 2, 5, 8, 9, 17):
+            block = fused(ids[:, 30:30 + rows], past_key_values=chunked_cache).logits
+            assert torch.equal(block, steps[:, 30:30 + rows]), rows
+            chunked_cache.crop(30 - chunked_cache.get_seq_length())
+        fused(ids[:, 30:], past_key_values=chunked_cache)
+        for a, b in zip(chunked_cache.layers, steps_cache.layers):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+        reference = eager(ids).logits.float()
+        with eager_layers(fused):  # the eager layers for a while (pacer-bench's target-unfused), then routed again
+            assert torch.equal(fused(ids).logits, eager(ids).logits)
+        assert torch.equal(fused(ids).logits, whole) and isinstance(fused.forward, FusedModelStep)
+    assert not torch.equal(reference, whole.float())  # the fused target is a model of its own ...
+    assert float((reference - whole.float()).abs().max()) <= 0.03 * float(reference.abs().max())  # ... close
+    assert (reference.argmax(-1) == whole.argmax(-1)).float().mean() > 0.9
+
+
+def test_a_fused_target_leaves_what_it_cannot_take_to_the_eager_layer(monkeypatch):
+    """A batch of two and a call with gradients run the eager layers (bitwise the unfused model's); a model with a
+    projection of another kind is not routed there; fuse_target=True without a W4A8 target is refused before loading."""
+    from modeling_pacer.pairs import load_pair
+
+    eager = _w4a8_target(seed=2)
+    fused = copy.deepcopy(eager)
+    fuse_target_layers(fused)
+    calls = []
+    monkeypatch.setattr(kernels, "layer_qkv", lambda *a, _f=kernels.layer_qkv: calls.append(1) or _f(*a))
+    ids = torch.randint(0, 96, (2, 6), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(fused(ids).logits, eager(ids).logits)
+    assert torch.equal(fused(ids[:1]).logits, eager(ids[:1]).logits)  # gradients on
+    assert calls == []
+    mixed = _w4a8_target(seed=2)
+    mixed.model.layers[1].mlp.up_proj = torch.nn.Linear(256, 512).to(torch.bfloat16)
+    assert fuse_target_layers(mixed) == 1 and not isinstance(mixed.forward, FusedModelStep)
+    assert getattr(mixed, "_pacer_exact", None) == "rows-alone"  # make_exact's: its layers' rows are alone either way
+    with pytest.raises(ValueError, match="fuse_target=True .* needs quantize_target='w4a8'"):
+        load_pair(fuse_target=True)
+    with pytest.raises(ValueError, match="fuse_target=True .* needs quantize_target='w4a8'"):
+        load_pair(quantize_target="int4", fuse_target=True)
+
+
+def test_pacer_greedy_equals_the_fused_w4a8_target():
+    """PACER over a fused W4A8 target with a fused int4 draft: token for token the fused target's own greedy
+    `generate`, several prompts, lengths and policies (verifications of up to 17 tokens among them)."""
+    target = _w4a8_target()
+    fuse_target_layers(target)
+    enable_pacer(target)
+    draft = _noisy_draft()
+    g = torch.Generator().manual_seed(1)
+    drafted = 0
+    for n in (1, 9, 30):
+        ids = torch.randint(0, 96, (1, n), generator=g)
+        for new in (5, 24):
+            expected = target.generate(ids, do_sample=False, max_new_tokens=new)
+            for policy in (FixedLength(2), FixedLength(16), "svip"):
+                out = target.generate(ids, assistant_model=draft, stopping_policy=policy, do_sample=False,
+                                      max_new_tokens=new, return_dict_in_generate=True)
+                assert out.sequences.tolist() == expected.tolist(), (n, new, policy)
+                drafted += sum(s.drafted for s in out.pacer_stats.steps)
+    assert drafted > 0
+
+
+RUNS = 1500
+NOISE = 0.05  # the sampling test's draft: close enough to the target that some drafts pass, far enough to tell apart
+PROMPT = torch.tensor([[3, 17, 42, 5, 60]])
+SAMPLING = dict(do_sample=True, temperature=0.9, top_k=4, max_new_tokens=3)
+
+
+def _distribution(model) -> dict[tuple[int, ...], float]:
+    """The probability of every 3-token continuation of PROMPT under `model` with SAMPLING's warpers (the top 4 at
+    each position: 64 outcomes)."""
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
+
+    processors = LogitsProcessorList([TemperatureLogitsWarper(0.9), TopKLogitsWarper(4)])
+
+    def probs(ids):
+        with torch.no_grad():
+            return processors(ids, model(ids).logits[:, -1, :].float()).softmax(-1)[0]
+
+    out = {}
+
+    def expand(prefix: tuple, p: float):
+        if len(prefix) == SAMPLING["max_new_tokens"]:
+            out[prefix] = p
+            return
+        q = probs(torch.cat([PROMPT, torch.tensor([prefix], dtype=torch.long)], dim=1))
+        for token in torch.nonzero(q).flatten().tolist():
+            expand((*prefix, token), p * float(q[token]))
+
+    expand((), 1.0)
+    return out
+
+
+def test_sampling_over_a_fused_target_is_its_distribution():
+    """Speculative sampling over a fused W4A8 target keeps the fused target's distribution (chi-square over the 64
+    outcomes of 3 tokens), drafts partly rejected; the same samples fail against the draft's distribution."""
+    target = _w4a8_target()
+    fuse_target_layers(target)
+    enable_pacer(target)
+    torch.manual_seed(0)
+    draft = _noisy_draft(NOISE)
+    counts, drafted, accepted = {}, 0, 0
+    for seed in range(RUNS):
+        torch.manual_seed(seed)
+        out = target.generate(PROMPT, assistant_model=draft, stopping_policy=FixedLength(2),
+                              return_dict_in_generate=True, **SAMPLING)
+        outcome = tuple(out.sequences[0, PROMPT.shape[1]:].tolist())
+        counts[outcome] = counts.get(outcome, 0) + 1
+        drafted += sum(s.drafted for s in out.pacer_stats.steps)
+        accepted += sum(s.accepted for s in out.pacer_stats.steps)
+    assert 0 < accepted < drafted
+    assert _chi_square_p_value(counts, _distribution(target), RUNS) > 1e-3
+    assert _chi_square_p_value(counts, _distribution(draft), RUNS) < 1e-6

@@ -1,23 +1,27 @@
-"""A draft's decoding steps with each decoder layer in two C++ calls ([`fuse_draft_layers`]).
+"""Decoder layers in two C++ calls each ([`fuse_draft_layers`], [`fuse_target_layers`]).
 
 transformers' eager decoder layer runs some forty small torch operators per token (norms in float and back,
 rotary embeddings, reshapes, the MLP's activation), each a few microseconds of dispatch and allocation: over a
-0.5B draft's 24 layers that is about as much time as reading its int4 weights. [`fuse_draft_layers`] routes a
-layer's forwards of 1 to `MAX_ROWS` new tokens of one sequence (a decoding step; the catch-up of two tokens after a
-verification) through pacer's kernels instead ([`kernels.draft_qkv`]: RMSNorm, the q/k/v projections, rotary
-embeddings; transformers' own cache update; [`kernels.draft_rest`]: causal attention over the cache, o_proj, the
-residual, RMSNorm, the SiLU-gated MLP and its residual), each weight read once for all the rows. Intermediates are
-rounded to bf16 where the eager layer rounds them, so the draft's numbers stay close to the eager layer's (not
-bitwise: float sums run in another order); each row is computed alone, so a call of several tokens gives bitwise
-what one-token calls give. Every other call (a prompt, a padded batch, a masked or windowed cache, gradients) runs
-the layer as before. Once every layer is routed, the model's own forward is too ([`FusedDraftStep`]): a decoding
-step then runs embedding, the layers' kernels, the norm and the LM head in one function.
+0.5B draft's 24 layers that is about as much time as reading its int4 weights, and over a 1.5B target's 28 layers
+a sixth of a step. A routed layer's forwards go through pacer's kernels instead ([`kernels.layer_qkv`]: RMSNorm,
+the q/k/v projections, rotary embeddings; transformers' own cache update; [`kernels.layer_rest`]: causal attention
+over the cache, o_proj, the residual, RMSNorm, the SiLU-gated MLP and its residual), each weight read once for all
+the rows. Intermediates are rounded to bf16 where the eager layer rounds them, so the numbers stay close to the eager
+layer's (not bitwise: the norm's float sum and the SiLU's exp run in another order); each row is computed alone,
+so a call of several tokens gives bitwise what one-token calls give. Once every layer is routed, the model's own
+forward is too ([`FusedModelStep`]): a decoding step then runs embedding, the layers' kernels, the norm and the LM
+head in one function.
 
-A draft's option only: its numbers change which tokens it proposes, never the output.
+A draft ([`fuse_draft_layers`]) routes its decoding steps (1 to `MAX_ROWS` tokens): its numbers change which tokens
+it proposes, never the output. A target ([`fuse_target_layers`]) routes every call of one sequence over a dynamic
+cache (or none), its prompt too, so that every forward pacer's loop and plain `generate` make runs the same
+row-alone functions: the fused target is a model of its own, its rows bitwise the same in a step, a verification
+and a prefill, close to the eager layer's but not equal to them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import torch
@@ -27,14 +31,21 @@ from transformers.cache_utils import DynamicLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from . import kernels
-from .quantization import Int4Linear
+from .quantization import Int4Linear, W4A8Linear, W8A8Linear
 
 FUSED_MODEL_TYPES = ("llama", "qwen2")  # RMSNorm, rotate_half rotary embeddings, GQA, a SiLU-gated MLP
 _ATTENTION = ("q_proj", "k_proj", "v_proj")
 _REST = (("self_attn", "o_proj"), ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
-# the most new tokens a call routes (a decoding step: 1; the catch-up after a verification: 2): the kernels read each
-# weight once for up to 8 rows; longer calls (a prompt) run the eager layer, whose int4 layers may go dense
+# the most new tokens a draft's call routes (a decoding step: 1; the catch-up after a verification: 2): the kernels
+# read each weight once for up to 8 rows; longer calls (a prompt) run the eager layer, whose int4 layers may go dense
 MAX_ROWS = 8
+# a projection's kind as the kernels read it, and the names of its buffers: packed weight, first scales, Q4_K minima
+# and super-scales, float bias
+_BUFFERS = {
+    Int4Linear: ("int4", ("packed_weight", "scales_and_zeros", None, None, "bias_float")),
+    W4A8Linear: ("q4k", ("packed_weight", "sub_scales", "sub_minimums", "super_scales", "bias")),
+    W8A8Linear: ("int8", ("packed_weight", "scales", None, None, "bias")),
+}
 
 
 def rotary_tables(position_embeddings, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,11 +55,11 @@ def rotary_tables(position_embeddings, head_dim: int) -> tuple[torch.Tensor, tor
 
 
 class FusedDecoderStep:
-    """A decoder layer's forward: 1 to MAX_ROWS new tokens of one sequence through the kernels, anything else through
-    the layer's own forward (`original`)."""
+    """A decoder layer's forward: 1 to `max_rows` (None: any number of) new tokens of one sequence through the
+    kernels, anything else through the layer's own forward (`original`)."""
 
-    def __init__(self, layer: nn.Module, config):
-        self.layer, self.original = layer, layer.forward
+    def __init__(self, layer: nn.Module, config, max_rows: int | None = MAX_ROWS):
+        self.layer, self.original, self.max_rows = layer, layer.forward, max_rows
         # the name the layer's forward takes its cache by (transformers 5.24 renamed past_key_values to cache)
         self.cache_name = "cache" if "cache" in inspect.signature(layer.forward).parameters else "past_key_values"
         attention = layer.self_attn
@@ -59,6 +70,9 @@ class FusedDecoderStep:
         # the projections' buffer dicts, read directly: each step checks them, and nn.Module's attribute lookup
         # over 7 projections x 24 layers cost about 1 ms a step (of ~17)
         self._buffers = [m._buffers for m in self.qkv + self.rest]
+        self._kinds = [kernels.LINEAR_KINDS[_BUFFERS[type(m)][0]] for m in self.qkv + self.rest]
+        self._names = [_BUFFERS[type(m)][1] for m in self.qkv + self.rest]
+        self._sizes = [m.out_features for m in self.qkv + self.rest]
         # what one step hands every layer alike, converted once: the rotary tables as bf16, whether the mask hides
         # nothing
         self._rotary: tuple = (None, None)
@@ -67,7 +81,7 @@ class FusedDecoderStep:
     def __call__(self, hidden_states, attention_mask=None, position_ids=None, cache=None, use_cache=False,
                  position_embeddings=None, **kwargs):
         cache = kwargs.pop("past_key_values", cache)
-        if not self._takes(hidden_states, attention_mask, cache, position_embeddings):
+        if kwargs.get("output_attentions") or not self._takes(hidden_states, attention_mask, cache, position_embeddings):
             return self.original(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                                  use_cache=use_cache, position_embeddings=position_embeddings,
                                  **{self.cache_name: cache}, **kwargs)
@@ -82,10 +96,10 @@ class FusedDecoderStep:
         layer = self.layer
         qkv, rest = self._projections()
         norm = layer.input_layernorm
-        q, k, v = kernels.draft_qkv(hidden, norm.weight, norm.variance_epsilon, qkv, cos, sin, self.head_dim)
-        keys, values = cache.update(k, v, self.layer_idx)
+        q, k, v = kernels.layer_qkv(hidden, norm.weight, norm.variance_epsilon, qkv, cos, sin, self.head_dim)
+        keys, values = (k, v) if cache is None else cache.update(k, v, self.layer_idx)
         norm = layer.post_attention_layernorm
-        return kernels.draft_rest(q, keys.contiguous(), values.contiguous(), self.scaling, hidden, norm.weight,
+        return kernels.layer_rest(q, keys.contiguous(), values.contiguous(), self.scaling, hidden, norm.weight,
                                   norm.variance_epsilon, rest)
 
     def _rotary_bf16(self, position_embeddings):
@@ -94,35 +108,44 @@ class FusedDecoderStep:
         return self._rotary[1]
 
     def _projections(self):
-        """The q/k/v and o/gate/up/down layers' buffers now, as [`kernels.draft_qkv`] / [`kernels.draft_rest`] read
-        them: (packed weights, scales and zeros, float biases)."""
-        def weights(buffers):
-            return ([b["packed_weight"] for b in buffers], [b["scales_and_zeros"] for b in buffers],
-                    [b["bias_float"] for b in buffers])
+        """The q/k/v and o/gate/up/down layers' buffers now, as [`kernels.layer_qkv`] / [`kernels.layer_rest`] read
+        them: (kinds, packed weights, first scales, Q4_K minima, Q4_K super-scales, float biases, output sizes)."""
+        def weights(part):
+            buffers, names = self._buffers[part], self._names[part]
+            fields = [[None if name is None else b[name] for b, name in zip(buffers, (n[i] for n in names))]
+                      for i in range(5)]
+            return (self._kinds[part], *fields, self._sizes[part])
 
-        return weights(self._buffers[:3]), weights(self._buffers[3:])
+        return weights(slice(0, 3)), weights(slice(3, 7))
 
     def routable(self, rows: int, dtype: torch.dtype) -> bool:
-        """What does not depend on the cache or the mask: 1 to MAX_ROWS rows of `dtype` bf16, no gradients, bf16
-        norms, every projection on pacer's kernel with a float32 bias or none."""
+        """What does not depend on the cache or the mask: 1 to `max_rows` rows of `dtype` bf16, no gradients, bf16
+        norms, every projection on pacer's kernels with a float32 bias or none."""
         layer = self.layer
-        return (1 <= rows <= MAX_ROWS and dtype == torch.bfloat16 and not torch.is_grad_enabled()
+        return (1 <= rows and (self.max_rows is None or rows <= self.max_rows) and dtype == torch.bfloat16
+                and not torch.is_grad_enabled()
                 and layer.input_layernorm.weight.dtype == torch.bfloat16
                 and layer.post_attention_layernorm.weight.dtype == torch.bfloat16
-                and all(m.kernel == "pacer" for m in self.qkv + self.rest)
-                and all(b["bias_float"] is None or b["bias_float"].dtype == torch.float32 for b in self._buffers))
+                and all(getattr(m, "kernel", "pacer") == "pacer" for m in self.qkv + self.rest)
+                and all(b[n[4]] is None or b[n[4]].dtype == torch.float32 for b, n in zip(self._buffers, self._names)))
 
     def _takes(self, hidden_states, attention_mask, cache, position_embeddings) -> bool:
-        if (cache is None or position_embeddings is None or hidden_states.dim() != 3 or hidden_states.shape[0] != 1
+        if (position_embeddings is None or hidden_states.dim() != 3 or hidden_states.shape[0] != 1
                 or hidden_states.shape[2] != self.hidden
                 or not self.routable(hidden_states.shape[1], hidden_states.dtype)
                 or position_embeddings[0].shape[-2] != hidden_states.shape[1]):
             return False
+        if cache is None:
+            if self.max_rows is not None:  # a draft's steps always have a cache
+                return False
+        elif (type(cache) is not DynamicCache or len(cache.layers) <= self.layer_idx
+              or type(cache.layers[self.layer_idx]) is not DynamicLayer):
+            return False  # a static or sliding layer hands attention keys that are not these
         rows = hidden_states.shape[1]
         if attention_mask is None:
             return rows == 1  # several tokens: causal among themselves, which only a mask says
         # the new tokens see every key of the cache and each other causally (no padding, no window)
-        length = cache.get_seq_length(self.layer_idx) + rows
+        length = (0 if cache is None else cache.get_seq_length(self.layer_idx)) + rows
         if self._mask[0] is attention_mask and self._mask[1] == length:
             return self._mask[2]
         causal = torch.ones(rows, length, dtype=torch.bool).tril(length - rows)
@@ -133,12 +156,13 @@ class FusedDecoderStep:
         return takes
 
 
-class FusedDraftStep:
-    """A causal LM's forward whose decoder layers are all [`FusedDecoderStep`]s: a call of 1 to MAX_ROWS new tokens of
-    one sequence after a DynamicCache, without a mask, position ids, embeddings, labels, gradients or hidden states
-    asked for (a draft's decoding step as pacer's loop makes it), runs embedding -> the layers' kernels -> norm -> LM
-    head in one function, the checks done once instead of once a layer (about 3 ms of a 0.5B draft's 20 ms step);
-    bitwise what the layers give through the model's own forward. Anything else calls that forward (`original`)."""
+class FusedModelStep:
+    """A causal LM's forward whose decoder layers are all [`FusedDecoderStep`]s: a call of new tokens of one sequence
+    after a non-empty DynamicCache (as many as the layers take), without a mask, position ids, embeddings, labels,
+    gradients or hidden states asked for (a decoding step or a verification as pacer's loop makes it), runs
+    embedding -> the layers' kernels -> norm -> LM head in one function, the checks done once instead of once a layer
+    (about 3 ms of a 0.5B draft's 20 ms step); bitwise what the layers give through the model's own forward. Anything
+    else calls that forward (`original`)."""
 
     def __init__(self, model: nn.Module):
         self.model, self.original = model, model.forward
@@ -165,8 +189,7 @@ class FusedDraftStep:
         return CausalLMOutputWithPast(logits=self.model.lm_head(keep), past_key_values=cache)
 
     def _takes(self, input_ids, attention_mask, position_ids, cache, inputs_embeds, labels, kwargs) -> bool:
-        if (input_ids is None or input_ids.dim() != 2 or input_ids.shape[0] != 1
-                or not 1 <= input_ids.shape[1] <= MAX_ROWS or position_ids is not None or inputs_embeds is not None
+        if (input_ids is None or input_ids.dim() != 2 or input_ids.shape[0] != 1 or position_ids is not None or inputs_embeds is not None
                 or labels is not None or torch.is_grad_enabled() or type(cache) is not DynamicCache
                 or any(value is not None and value is not False for value in kwargs.values())
                 or cache.get_seq_length() == 0 or any(type(layer) is not DynamicLayer for layer in cache.layers)):
@@ -179,13 +202,13 @@ class FusedDraftStep:
                    for s, layer in zip(self.layers, self.model.model.layers))
 
 
-def _fusable(layer: nn.Module) -> bool:
+def _fusable(layer: nn.Module, kinds: tuple) -> bool:
     attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     if attention is None or mlp is None or getattr(attention, "sliding_window", None):
         return False
     projections = [getattr(attention, name, None) for name in (*_ATTENTION, "o_proj")] + \
                   [getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
-    if not all(isinstance(m, Int4Linear) and m.kernel == "pacer" for m in projections):
+    if not all(type(m) in kinds and getattr(m, "kernel", "pacer") == "pacer" for m in projections):
         return False
     head_dim = attention.head_dim
     norms = (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None))
@@ -194,9 +217,27 @@ def _fusable(layer: nn.Module) -> bool:
 
 
 def fuse_draft_layers(model: nn.Module) -> int:
-    """Route the one-token steps of `model`'s decoder layers through pacer's kernels, in place; returns how many
-    layers were routed (0 where the kernels are unavailable, the architecture is not one of FUSED_MODEL_TYPES with
-    SiLU, or a layer is not all Int4Linear(kernel="pacer") layers; those layers are left as they are)."""
+    """Route the decoding steps (1 to MAX_ROWS tokens) of `model`'s decoder layers through pacer's kernels, in place;
+    returns how many layers were routed (0 where the kernels are unavailable, the architecture is not one of
+    FUSED_MODEL_TYPES with SiLU, or a layer is not all Int4Linear(kernel="pacer") layers; those layers are left as
+    they are)."""
+    return _fuse(model, MAX_ROWS, (Int4Linear,))
+
+
+def fuse_target_layers(model: nn.Module) -> int:
+    """Route every forward of one sequence (any number of tokens, over a DynamicCache or none) of `model`'s decoder
+    layers through pacer's kernels, in place: a W4A8 target (`quantize_from_gguf(..., activations="int8")`), whose
+    layers are W4A8Linear / W8A8Linear (or Int4Linear(kernel="pacer")). Returns how many layers were routed (0 as
+    [`fuse_draft_layers`] says, or where a layer has another kind of projection). Fuse the target before decoding
+    with it at all: the routed layers compute other numbers than the eager ones (close, not equal), the same in
+    plain decoding and under PACER, row for row bitwise in every call; `model._pacer_exact` says "rows-alone"."""
+    fused = _fuse(model, None, (W4A8Linear, W8A8Linear, Int4Linear))
+    if fused and fused_layers(model) == len(getattr(getattr(model, "model", model), "layers", ())):
+        model._pacer_exact = "rows-alone"
+    return fused
+
+
+def _fuse(model: nn.Module, max_rows: int | None, kinds: tuple) -> int:
     config = model.config.get_text_config()
     if (not kernels.available() or config.model_type not in FUSED_MODEL_TYPES or config.hidden_act != "silu"
             or getattr(config, "mlp_bias", False)
@@ -205,19 +246,34 @@ def fuse_draft_layers(model: nn.Module) -> int:
     layers = getattr(getattr(model, "model", model), "layers", ())
     fused = 0
     for layer in layers:
-        if isinstance(layer.forward, FusedDecoderStep) or not _fusable(layer):
+        if isinstance(layer.forward, FusedDecoderStep) or not _fusable(layer, kinds):
             continue
-        layer.forward = FusedDecoderStep(layer, config)
+        layer.forward = FusedDecoderStep(layer, config, max_rows)
         fused += 1
     # every layer routed, in a causal LM of the usual shape: its decoding steps skip the model's own forward too
     if (layers and all(isinstance(layer.forward, FusedDecoderStep) for layer in layers)
-            and not isinstance(model.forward, FusedDraftStep)
+            and not isinstance(model.forward, FusedModelStep)
             and all(hasattr(getattr(model, "model", None), name) for name in ("embed_tokens", "rotary_emb", "norm"))
             and hasattr(model, "lm_head")):
-        model.forward = FusedDraftStep(model)
+        model.forward = FusedModelStep(model)
     return fused
 
 
 def fused_layers(model: nn.Module) -> int:
-    """How many of `model`'s decoder layers [`fuse_draft_layers`] routed."""
+    """How many of `model`'s decoder layers [`fuse_draft_layers`] or [`fuse_target_layers`] routed."""
     return sum(isinstance(getattr(m, "forward", None), FusedDecoderStep) for m in model.modules())
+
+
+@contextlib.contextmanager
+def eager_layers(model: nn.Module):
+    """Within the block, `model`'s routed layers and model step run their own (eager) forwards; restored after.
+    What fusing changed, measured in one process (`pacer-bench run --methods target target-unfused`)."""
+    routed = [m for m in model.modules() if isinstance(getattr(m, "forward", None), (FusedDecoderStep, FusedModelStep))]
+    steps = [m.forward for m in routed]
+    for m, step in zip(routed, steps):
+        m.forward = step.original
+    try:
+        yield model
+    finally:
+        for m, step in zip(routed, steps):
+            m.forward = step
