@@ -412,3 +412,18 @@ def test_sampling_over_a_fused_target_is_its_distribution():
     assert 0 < accepted < drafted
     assert _chi_square_p_value(counts, _distribution(target), RUNS) > 1e-3
     assert _chi_square_p_value(counts, _distribution(draft), RUNS) < 1e-6
+
+
+def test_the_flag_keeps_the_eager_layers(monkeypatch):
+    """`--no-fuse-target` reaches load_pair as fuse_target=False; without it the default (None: with w4a8)."""
+    import argparse
+
+    from modeling_pacer.pairs import loading
+
+    parser = argparse.ArgumentParser()
+    loading.add_pair_arguments(parser)
+    seen = []
+    monkeypatch.setattr(loading, "load_pair", lambda *a, **kw: seen.append(kw["fuse_target"]))
+    for argv, expected in (([], None), (["--no-fuse-target"], False)):
+        loading.pair_from_args(parser.parse_args(["--quantize-target", "w4a8", *argv]))
+        assert seen[-1] is expected
