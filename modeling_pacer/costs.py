@@ -5,6 +5,7 @@ this machine's curve, never one stored from another machine: on CPU its shape ch
 kernels and with the dtype (a flat bf16 curve, an fp32 staircase whose steps move from host to host).
 """
 
+import contextlib
 import hashlib
 import json
 import os
@@ -34,7 +35,7 @@ from .custom_generate.costs import (  # noqa: F401 - the measurement, at the loo
 from .custom_generate.steps import crop_cache, model_forward
 from .draft_vocab import kept_tokens
 from .cpu.exact_linear import is_exact_linear
-from .cpu.fused_layers import FusedModelStep, fused_layers
+from .cpu.fused_layers import FusedModelStep, eager_layers, fused_layers
 from .host import cache_root, cpuinfo_field
 from .resources import write_json
 
@@ -74,7 +75,15 @@ def time_split(model, input_ids: torch.Tensor, tokens: int = 1, repeats: int = 5
     in seconds (median over `repeats`): "linear" (every linear layer's forward, Python included),
     "attention" (the attention modules' own time, their projections excluded), "other" (norms, MLP
     activations, embeddings, rotary, the model's Python glue) and "total". Measured with forward hooks,
-    whose own cost (a few microseconds per module) lands in the groups."""
+    whose own cost (a few microseconds per module) lands in the groups. A model whose decoder layers run fused
+    (modeling_pacer.cpu.fused_layers: two kernel calls a layer, no module inside them called) is split on its eager
+    layers, and "eager_layers" is then 1.0 (else 0.0)."""
+    routed = fused_layers(model) > 0
+    with eager_layers(model) if routed else contextlib.nullcontext():
+        return dict(_time_split(model, input_ids, tokens, repeats), eager_layers=float(routed))
+
+
+def _time_split(model, input_ids: torch.Tensor, tokens: int, repeats: int) -> dict[str, float]:
     spent = {"linear": 0.0, "attention": 0.0}
     clock = device_clock(*model_devices(model))  # on a GPU every hook waits for the work before it
     starts, handles, in_attention = {}, [], set()  # in_attention: ids of the attention modules' projections

@@ -427,3 +427,18 @@ def test_the_flag_keeps_the_eager_layers(monkeypatch):
     for argv, expected in (([], None), (["--no-fuse-target"], False)):
         loading.pair_from_args(parser.parse_args(["--quantize-target", "w4a8", *argv]))
         assert seen[-1] is expected
+
+
+def test_a_split_of_a_fused_model_is_its_eager_layers():
+    """costs.time_split times module forwards with hooks, which a fused layer's kernel calls never reach: a fused
+    model is split on its eager layers (said in the result) and stays fused after."""
+    from modeling_pacer.costs import time_split
+
+    model = _int4_draft(seed=1)
+    ids = torch.randint(0, model.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(0))
+    plain = time_split(model, ids, repeats=1)
+    assert plain["eager_layers"] == 0.0 and plain["linear"] > 0
+    fuse_draft_layers(model)
+    split = time_split(model, ids, repeats=1)
+    assert split["eager_layers"] == 1.0 and split["linear"] > 0 and split["attention"] > 0
+    assert isinstance(model.forward, FusedModelStep) and fused_layers(model) == model.config.num_hidden_layers

@@ -595,6 +595,7 @@ def run_costs(args) -> dict:
         for label, roles in splits.items():
             for role, t in roles.items():
                 floor = t["weight_bytes"] / bandwidth
+                role += " (on its eager layers: fused ones are two kernel calls, not split)" if t.get("eager_layers") else ""
                 lines.append(f"| {label} | {role} | {t['weight_bytes'] / 1e6:.0f} | {1000 * floor:.1f} | "
                              + " | ".join(f"{1000 * t[k]:.1f}" for k in ("linear", "attention", "other", "total"))
                              + f" | {t['total'] / floor:.2f}x |")
