@@ -175,7 +175,7 @@ def describe_host() -> dict:
 
     cpu = cpuinfo_field("model name") or platform.processor() or platform.machine()
     return dict(host=platform.node(), cpu=cpu, threads=torch.get_num_threads(), torch=torch.__version__,
-                transformers=transformers.__version__)
+                transformers=transformers.__version__, amx_rows=kernels.amx_setting())
 
 
 def _cost_key(target, draft, head, max_tokens: int, prefix_tokens: int) -> dict:

@@ -63,6 +63,21 @@ def test_host_costs_key_changes_with_dtype_threads_and_age(tmp_path, monkeypatch
     assert len(calls) == 5
 
 
+def test_host_costs_key_changes_with_the_kernels_amx_setting(tmp_path, monkeypatch):
+    """A curve measured with the AMX tiles (the w4a8 kernels' path past a row count) is not read for VNNI alone."""
+    from modeling_pacer.cpu import kernels
+
+    target, draft = make_pair("llama", "llama", "noisy")
+    calls = _counting(monkeypatch)
+    kwargs = dict(max_tokens=2, prefix_tokens=8, repeats=1, folder=tmp_path)
+    settings = iter([9, 0, 9])
+    monkeypatch.setattr(kernels, "amx_setting", lambda: next(settings))
+    host_costs(target, draft, **kwargs)
+    host_costs(target, draft, **kwargs)  # VNNI alone: another curve
+    host_costs(target, draft, **kwargs)  # the tiles again: the first curve, from the cache
+    assert len(calls) == 2 and len(list(tmp_path.glob("*.json"))) == 2
+
+
 def test_describe_model_sees_exactness_and_quantization():
     from modeling_pacer import make_exact
     from modeling_pacer.pairs import quantize_dynamic_int8

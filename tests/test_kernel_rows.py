@@ -35,8 +35,8 @@ def test_kernel_rows_writes_each_layers_curve_and_its_bound(tmp_path):
 def test_measure_rows_reports_the_bandwidth_of_one_row(monkeypatch):
     if not kernels.available():
         pytest.skip(f"VNNI kernels: {kernels.unavailable_reason()}")
-    entry = measure_rows("w8a8", 256, 16, rows=2, repeats=1, stream_bytes=1)
-    assert entry["copies"] == 1
+    [entry] = measure_rows("w8a8", 256, 16, rows=2, repeats=1, stream_bytes=1)
+    assert entry["copies"] == 1 and entry["path"] == "default"
     assert entry["gb_per_s"] == pytest.approx(entry["weight_bytes"] / (entry["ms"][1] * 1e6))
     assert markdown(dict(layers=[entry], command="c", host={"cpu": "x"}, threads=1, amx=False, vnni=True)).count("| w8a8 256x16 |") == 1
 
@@ -48,3 +48,17 @@ def test_kernel_rows_refuses_shapes_the_kernels_do_not_take(shape, problem, tmp_
         cli.main(["kernel-rows", "--shapes", shape, "--out", str(tmp_path / "o")])
     assert problem in capsys.readouterr().err
     assert not (tmp_path / "o" / "kernel-rows.json").exists()
+
+
+@pytest.mark.skipif(not kernels.available(), reason=f"VNNI kernels: {kernels.unavailable_reason()}")
+def test_kernel_rows_times_each_path_it_is_asked_for(tmp_path):
+    """--paths vnni amx: one entry per layer and path, each labelled in the table (the paths run on any host: without
+    AMX tiles both are the VNNI loops)."""
+    out = tmp_path / "rows"
+    assert cli.main(["kernel-rows", "--kinds", "w8a8", "--shapes", "256x32", "--rows", "2", "--repeats", "1",
+                     "--stream-mb", "1", "--paths", "vnni", "amx", "--out", str(out)]) == 0
+    report = json.loads((out / "kernel-rows.json").read_text())
+    assert [e["path"] for e in report["layers"]] == ["vnni", "amx"]
+    assert report["amx_tiles"] == kernels.amx_available()
+    table = (out / "kernel-rows.md").read_text()
+    assert "| w8a8 256x32 (vnni) |" in table and "| w8a8 256x32 (amx) |" in table

@@ -149,6 +149,44 @@ def test_rows_do_not_depend_on_the_row_count_or_threads(cls, threads):
     assert [(r.lo, r.hi) for r in row_runs(layer, 24)] == [(1, 24)]
 
 
+@pytest.mark.parametrize("cls", [W4A8Linear, W8A8Linear])
+def test_amx_tiles_give_the_vnni_loops_bits(cls):
+    """On a CPU with AMX, calls of several rows go to the tiles: every row of every call size (1..40: one tile of 16
+    rows, several, a remainder padded with zeros) is bitwise what the VNNI loops give it alone, in both output dtypes
+    and with a bias. Elsewhere the tiles are absent and the test says so."""
+    if not kernels.amx_available():
+        pytest.skip("no AMX tiles here (CPU, compiler or kernel)")
+    torch.manual_seed(5)
+    layer = cls.from_linear(torch.nn.Linear(768, 48, bias=True))
+    x = torch.randn(1, 40, 768, dtype=torch.bfloat16) * 4
+    x[0, 7] = 0  # a zero row: scale 0
+    for dtype in (torch.bfloat16, torch.float32):
+        xd = x.to(dtype)
+        with kernels.amx_rows(0):
+            alone = torch.cat([layer(xd[:, i:i + 1]) for i in range(40)], 1)
+        for rows in (1, 2, 3, 15, 16, 17, 33, 40):
+            with kernels.amx_rows(1):
+                assert torch.equal(layer(xd[:, :rows]), alone[:, :rows]), (dtype, rows)
+
+
+def test_amx_rows_is_a_setting_not_a_result():
+    """amx_rows(n) restores the previous threshold on leaving, refuses a negative one, and is harmless without
+    tiles."""
+    with pytest.raises(ValueError, match=">= 0"):
+        with kernels.amx_rows(-1):
+            pass
+    if kernels.amx_available():
+        ops = torch.ops.pacer
+        before = ops.set_amx_rows(kernels.AMX_ROWS)
+        assert before == kernels.AMX_ROWS
+        with kernels.amx_rows(5):
+            assert ops.set_amx_rows(5) == 5
+        assert ops.set_amx_rows(kernels.AMX_ROWS) == kernels.AMX_ROWS
+    else:
+        with kernels.amx_rows(3):
+            pass
+
+
 def test_layers_fed_one_tensor_quantize_it_once(monkeypatch):
     """q and k (gate and up) read the same input: the second layer reuses its int8 rows, bitwise what quantizing
     again gives; an input edited in place since, another tensor, another block size (an int8 layer) or an

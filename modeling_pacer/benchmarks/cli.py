@@ -145,6 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     paired.add_argument("--against", nargs="+", required=True, help="the methods it is compared with")
     _add_output(paired, "paired-out")
 
+    from .kernel_rows import PATHS as KERNEL_PATHS
+
     costs = sub.add_parser("costs", help="measure this machine's cost curves (target verification of 1..n tokens, "
                            "draft, head) for one or more target dtypes, cached, and plot them")
     add_pair_arguments(costs)
@@ -164,6 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
     costs.add_argument("--repeat", type=_positive, default=1,
                        help="also measure this many fresh curves in a row (not cached) and report each curve's cost of "
                             "4, 8 and 16 tokens over one, with the medians: how much one curve of this host varies")
+    costs.add_argument("--kernel-paths", nargs="+", choices=list(KERNEL_PATHS), default=["default"],
+                       help="with --repeat: the fresh curves of each kernel path, interleaved: default (AMX tiles "
+                       f"from {KERNEL_PATHS['default']} rows where the CPU has them), vnni (never the tiles), amx (the "
+                       "tiles from one row); the same bits on every path")
     costs.add_argument("--threads", type=_positive, help="torch CPU threads (default: torch's choice)")
     _add_output(costs, "costs-out")
 
@@ -233,6 +239,10 @@ def build_parser() -> argparse.ArgumentParser:
     rows.add_argument("--repeats", type=_positive, default=15, help="interleaved rounds (the median is reported)")
     rows.add_argument("--stream-mb", type=_positive, default=256,
                       help="copies of each layer until their weights pass this many MB, so that they stream from memory")
+    rows.add_argument("--paths", nargs="+", choices=list(KERNEL_PATHS), default=["default"],
+                      help="which kernel paths to time, interleaved: default (AMX tiles from "
+                      f"{KERNEL_PATHS['default']} rows where the CPU has "
+                      "them), vnni (never the tiles), amx (the tiles from one row); the same bits on every path")
     rows.add_argument("--threads", type=_positive, help="torch CPU threads (default: torch's choice)")
     _add_output(rows, "kernel-rows-out")
     return p
@@ -535,17 +545,24 @@ def _repeat_table(repeats: dict[str, list[dict[int, float]]]) -> list[str]:
 
 def run_costs(args) -> dict:
     """Load the pair once per dtype, read or measure this host's cost curve, write costs.json/.md/.png."""
+    import statistics
+
     from modeling_pacer.pairs import pair_from_args
     from modeling_pacer.pairs.loading import TARGET_QUANTIZATIONS
 
     from ..costs import fixed_prefix, host_costs, measure_bandwidth, measure_costs, time_split, weight_bytes
+    from ..cpu import kernels
+    from .kernel_rows import PATHS as KERNEL_PATHS
 
+    if args.kernel_paths != ["default"] and args.repeat < 2:
+        raise SystemExit("pacer-bench costs: --kernel-paths times fresh curves: give --repeat 2 or more")
     head = _setup(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     curves = {}
     splits = {}
     repeats = {}  # label -> each fresh curve's k-token cost over its one-token cost
+    repeat_ms = {}  # label -> each fresh curve's seconds for 1..k tokens
     bandwidth = measure_bandwidth() if args.split else None
     quantize_target = args.quantize_target  # for the settings that are plain dtypes
     for dtype, exact in [(d, e) for d in args.dtypes for e in ((True, False) if args.compare_exact else (args.exact,))]:
@@ -565,18 +582,25 @@ def run_costs(args) -> dict:
                 splits[label][f"{role}, {tokens} token{'s' if tokens > 1 else ''}"] = split
         if args.repeat > 1:
             prefix, sizes = fixed_prefix(pair.target), [k for k in (4, 8, 16) if k <= args.max_tokens]
-            repeats[label] = []
+            paths = args.kernel_paths
+            named = {path: label if paths == ["default"] else f"{label}, kernels: {path}" for path in paths}
+            for path in paths:
+                repeats[named[path]] = []
             for _ in range(args.repeat):
-                fresh = measure_costs(pair.target, None, None, prefix, max(sizes, default=1))
-                repeats[label].append({k: fresh.target(k) / fresh.target(1) for k in sizes})
+                for path in paths:  # interleaved: a slow moment of the host falls on every path alike
+                    with kernels.amx_rows(KERNEL_PATHS[path]):
+                        fresh = measure_costs(pair.target, None, None, prefix, max(sizes, default=1))
+                    repeats[named[path]].append({k: fresh.target(k) / fresh.target(1) for k in sizes})
+                    repeat_ms.setdefault(named[path], []).append({k: fresh.target(k) for k in range(1, max(sizes, default=1) + 1)})
         print(f"pacer-bench costs: {label}: target " + ", ".join(
             f"{n}: {1000 * t:.0f}" for n, t in costs.target_forward.items()) + f" ms; draft {1000 * costs.draft_forward:.0f} ms",
             file=sys.stderr)
         del pair
     meta = run_meta(args.argv, head=portable_path(args.head), quantize_draft=args.quantize_draft, draft_vocab=args.draft_vocab,
                 bandwidth=bandwidth)
-    (out / "costs.json").write_text(json.dumps(dict(curves=curves, splits=splits, repeats=repeats, meta=meta), indent=1,
-                                               default=str))
+    meta.update(amx_tiles=kernels.available() and kernels.amx_available())
+    (out / "costs.json").write_text(json.dumps(dict(curves=curves, splits=splits, repeats=repeats, repeat_ms=repeat_ms,
+                                                    meta=meta), indent=1, default=str))
     tokens = range(1, args.max_tokens + 1)
     lines = [f"Command: `{meta['command']}` (host CPU: {meta['host']['cpu']}, {meta['host']['threads']} threads)", "",
              "Milliseconds per forward after a cached 128-token prefix (median of 5):", "",
@@ -603,6 +627,12 @@ def run_costs(args) -> dict:
         lines += ["", f"{args.repeat} fresh curves in a row (the target alone, interleaved sizes, median of 5 each): "
                   "each curve's cost of k tokens over its cost of one, and the median over the curves:", ""]
         lines += _repeat_table(repeats)
+        lines += ["", "The same curves' milliseconds (median over the curves):", "",
+                  "| curves | " + " | ".join(str(k) for k in next(iter(repeat_ms.values()))[0]) + " |",
+                  "|---|" + "---|" * len(next(iter(repeat_ms.values()))[0])]
+        for label, curves_ms in repeat_ms.items():
+            lines.append(f"| {label} | " + " | ".join(f"{1000 * statistics.median(c[k] for c in curves_ms):.1f}"
+                                                      for k in curves_ms[0]) + " |")
     (out / "costs.md").write_text("\n".join(lines) + "\n")
     files = [out / "costs.json", out / "costs.md"]
     try:

@@ -28,11 +28,14 @@ from pathlib import Path
 
 import torch
 
+from ..cpu import kernels
 from .provenance import run_meta
 
 # the 1.5B target's linear layers (in_features, out_features): q/o, k/v, gate/up, down
 TARGET_SHAPES = ((1536, 1536), (1536, 256), (1536, 8960), (8960, 1536))
 KINDS = ("w4a8", "w8a8")
+# the kernels' row threshold for AMX tiles per measured path (kernels.amx_rows): their default, never, from one row
+PATHS = {"default": kernels.AMX_ROWS, "vnni": 0, "amx": 1}
 STREAM_BYTES = 256 << 20  # copies of a layer until their weights pass this size: far beyond any last-level cache
 
 
@@ -58,39 +61,48 @@ def check_shapes(kinds, shapes) -> None:
 
 
 def measure_rows(kind: str, in_features: int, out_features: int, rows: int, repeats: int,
-                 stream_bytes: int = STREAM_BYTES) -> dict:
-    """One layer kind and shape: the cost of a call of 1..rows rows (see the module's docstring)."""
+                 stream_bytes: int = STREAM_BYTES, paths: tuple[str, ...] = ("default",)) -> list[dict]:
+    """One layer kind and shape: the cost of a call of 1..rows rows (see the module's docstring), one entry per path
+    in `paths` (`PATHS`: the kernels' own choice, VNNI alone, AMX tiles from one row), timed interleaved."""
     first = _layer(kind, in_features, out_features, seed=0)
     size = _weight_bytes(first)
     copies = max(1, min(64, -(-stream_bytes // size)))
     layers = [first] + [_layer(kind, in_features, out_features, seed=i) for i in range(1, copies)]
     inputs = {r: torch.randn(1, r, in_features, dtype=torch.bfloat16) for r in range(1, rows + 1)}
-    for r in inputs:  # warm-up: every row count once
-        for layer in layers:
-            layer(inputs[r] + 0)
-    times: dict[int, list[float]] = {r: [] for r in inputs}
+    for path in paths:
+        with kernels.amx_rows(PATHS[path]):
+            for r in inputs:  # warm-up: every row count once
+                for layer in layers:
+                    layer(inputs[r] + 0)
+    times = {path: {r: [] for r in inputs} for path in paths}
     for _ in range(repeats):
-        for r, x in inputs.items():  # interleaved: a slow moment of the host falls on every row count alike
-            fresh = [x + 0 for _ in layers]  # new tensors: each layer quantizes its rows anew, as in a forward
-            start = time.perf_counter()
-            for layer, xi in zip(layers, fresh):
-                layer(xi)
-            times[r].append((time.perf_counter() - start) / len(layers))
-    ms = {r: 1e3 * statistics.median(t) for r, t in times.items()}
-    macs = in_features * out_features
-    rate = {r: macs * r / (ms[r] * 1e6) for r in ms}
-    peak = max(rate.values())
-    return dict(kind=kind, in_features=in_features, out_features=out_features, weight_bytes=size, copies=copies,
-                ms=ms, ratio={r: ms[r] / ms[1] for r in ms}, gb_per_s=size / (ms[1] * 1e6),
-                macs_per_ns=rate, peak_macs_per_ns=peak,
-                bound={r: max(ms[1], macs * r / (peak * 1e6)) / ms[1] for r in ms})
+        for r, x in inputs.items():  # interleaved: a slow moment of the host falls on every row count and path alike
+            for path in paths:
+                fresh = [x + 0 for _ in layers]  # new tensors: each layer quantizes its rows anew, as in a forward
+                with kernels.amx_rows(PATHS[path]):
+                    start = time.perf_counter()
+                    for layer, xi in zip(layers, fresh):
+                        layer(xi)
+                    times[path][r].append((time.perf_counter() - start) / len(layers))
+    entries = []
+    for path in paths:
+        ms = {r: 1e3 * statistics.median(t) for r, t in times[path].items()}
+        macs = in_features * out_features
+        rate = {r: macs * r / (ms[r] * 1e6) for r in ms}
+        peak = max(rate.values())
+        entries.append(dict(kind=kind, path=path, in_features=in_features, out_features=out_features, weight_bytes=size,
+                            copies=copies, ms=ms, ratio={r: ms[r] / ms[1] for r in ms}, gb_per_s=size / (ms[1] * 1e6),
+                            macs_per_ns=rate, peak_macs_per_ns=peak,
+                            bound={r: max(ms[1], macs * r / (peak * 1e6)) / ms[1] for r in ms}))
+    return entries
 
 
 def markdown(report: dict) -> str:
     rows = sorted({int(r) for entry in report["layers"] for r in entry["ms"]})
     shown = [r for r in rows if r in (1, 2, 4, 8, 12, 16) or r == rows[-1]]
     lines = [f"Command: `{report['command']}`", "",
-             f"Host: {report['host'].get('cpu')}, {report['threads']} threads; AMX: {report['amx']}, "
+             f"Host: {report['host'].get('cpu')}, {report['threads']} threads; AMX: {report['amx']} (tiles granted: "
+             f"{report.get('amx_tiles')}), "
              f"AVX512-VNNI: {report['vnni']}. Per layer: ms per call of r rows (ratio to one row), the one-row call's "
              "bandwidth, the best multiply-add rate seen, and the least ratio at the largest r any schedule could "
              "reach at that rate.", "",
@@ -99,7 +111,8 @@ def markdown(report: dict) -> str:
              "|---|" + "---|" * len(shown) + "---|---|---|"]
     for e in report["layers"]:
         cells = [f"{e['ms'][r]:.3f} ({e['ratio'][r]:.2f}x)" for r in shown]
-        lines.append(f"| {e['kind']} {e['in_features']}x{e['out_features']} | " + " | ".join(cells) +
+        path = "" if e.get("path", "default") == "default" else f" ({e['path']})"
+        lines.append(f"| {e['kind']} {e['in_features']}x{e['out_features']}{path} | " + " | ".join(cells) +
                      f" | {e['gb_per_s']:.1f} | {e['peak_macs_per_ns']:.0f} | {e['bound'][rows[-1]]:.2f}x |")
     return "\n".join(lines) + "\n"
 
@@ -118,8 +131,10 @@ def run_kernel_rows(args) -> dict:
     for kind in args.kinds:
         for k, n in shapes:
             print(f"kernel-rows: {kind} {k}x{n}, 1..{args.rows} rows", file=sys.stderr, flush=True)
-            layers.append(measure_rows(kind, k, n, args.rows, args.repeats, stream_bytes=args.stream_mb << 20))
+            layers += measure_rows(kind, k, n, args.rows, args.repeats, stream_bytes=args.stream_mb << 20,
+                                   paths=tuple(args.paths))
     report = dict(layers=layers, threads=torch.get_num_threads(), amx="amx_int8" in flags,
+                  amx_tiles=kernels.amx_available(),
                   vnni="avx512_vnni" in flags, **run_meta(getattr(args, "argv", None)))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -9,6 +9,10 @@ until the dot products bound the call (from about 4 to 8 rows, by host: `pacer-b
 are exact and each row runs the same instructions whatever the call's size or thread count, so their results are
 row-invariant by construction (still probed where they run, like every exact layer).
 
+On a CPU with AMX-INT8 (Sapphire Rapids and later; probed at build and at run time: Linux must grant the process the
+tile state), Q4_K and int8 calls of [`AMX_ROWS`] rows or more take their integer sums from AMX tiles instead: the
+same sums, so every row keeps its bits whatever path its call takes; `amx_rows` sets the threshold (0: VNNI alone).
+
 [`int4_matmul`] is a draft's: torch's int4 grid (groups of 32) times activations quantized to int8 per row in blocks
 of 32, on the same VNNI dot products; at one row on a 0.5B draft's shapes it runs at two to three times the speed of
 torch's int4 kernel, which converts every weight to float.
@@ -22,6 +26,7 @@ AVX512-VNNI or without a compiler gets `available() == False` and a reason, and 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -40,7 +45,7 @@ from ...host import build_once, cache_root, cpuinfo_field, private_folder, trust
 SOURCE = Path(__file__).with_name("vnni_matmul.cpp")  # the kernels (raw pointers)
 OPS = Path(__file__).with_name("ops.cpp")  # their torch operators; includes SOURCE
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
-ABI = 11  # pacer_kernel_abi() of the source this module calls
+ABI = 12  # pacer_kernel_abi() of the source this module calls
 
 
 def _torch_flags() -> list[str]:
@@ -174,6 +179,41 @@ def available() -> bool:
 def unavailable_reason() -> str:
     """Why `available()` is False ("" when it is True)."""
     return _load()[1]
+
+
+def amx_available() -> bool:
+    """True where the kernels can use AMX tiles (this CPU has AMX-INT8, the compiler built them, and Linux granted this
+    process the tile state). The tiles give every row bitwise what the VNNI loops give it."""
+    return available() and bool(_library().amx_available())
+
+
+# the kernels' default: calls of this many rows or more go to the tiles. Fewer stay on VNNI, which is as fast up to
+# its 8-row block (`pacer-bench kernel-rows --paths vnni amx`: the tiles' fixed cost a group of 32 inputs, their
+# sums stored and scaled row by row, outweighs VNNI's dot products until VNNI needs a second pass over the weights)
+AMX_ROWS = 9
+
+
+def amx_setting() -> int:
+    """The row count from which calls use the AMX tiles now (0: never, or no tiles here)."""
+    return int(_library().set_amx_rows(-1)) if available() else 0
+
+
+@contextlib.contextmanager
+def amx_rows(rows: int):
+    """Within the block, Q4_K and int8 calls of at least `rows` rows use the AMX tiles (0: none, VNNI alone); the
+    setting is the process's (the kernels read one global). No effect where `amx_available()` is False. Results do
+    not change: the tiles compute the same integer sums. For measuring each path (`pacer-bench kernel-rows --amx`)."""
+    if rows < 0:
+        raise ValueError(f"amx_rows: rows must be >= 0, got {rows}")
+    if not available():
+        yield
+        return
+    previous = _library().set_amx_rows(rows)
+    try:
+        yield
+    finally:
+        if _library().amx_available():
+            _library().set_amx_rows(previous)
 
 
 CPU_ONLY = (

@@ -16,6 +16,8 @@ namespace {
 
 int64_t kernel_abi() { return pacer_kernel_abi(); }
 bool vnni_available() { return pacer_vnni_available() != 0; }
+bool amx_available() { return pacer_amx_available() != 0; }
+int64_t set_amx_rows(int64_t rows) { return pacer_set_amx_rows(rows); }
 
 #ifdef PACER_VNNI
 template <typename T>
@@ -137,6 +139,8 @@ at::Tensor layer_rest(const at::Tensor& q, const at::Tensor& keys, const at::Ten
 TORCH_LIBRARY(pacer, m) {
     m.def("kernel_abi() -> int", &kernel_abi);
     m.def("vnni_available() -> bool", &vnni_available);
+    m.def("amx_available() -> bool", &amx_available);
+    m.def("set_amx_rows(int rows) -> int", &set_amx_rows);
 #ifdef PACER_VNNI
     m.def("quantize_rows(Tensor x, int block) -> (Tensor, Tensor, Tensor)");
     m.def("q4k_matmul(Tensor packed, Tensor sc, Tensor mn, Tensor dd, int n, Tensor q, Tensor scale, Tensor sums, "

@@ -27,7 +27,7 @@
 #include <immintrin.h>
 #endif
 
-extern "C" int pacer_kernel_abi() { return 11; }
+extern "C" int pacer_kernel_abi() { return 12; }
 
 #ifdef PACER_VNNI
 extern "C" int pacer_vnni_available() { return 1; }
@@ -156,6 +156,176 @@ static void q8_tile(const uint8_t* packed, const float* scale, const int8_t* xq,
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ldo, _mm512_mul_ps(acc[r], sv));
 }
 
+// AMX (Sapphire Rapids and later): the same integer sums from tiles, for calls of several rows. A tile dot product
+// (tdpbsud: signed 8-bit activations x unsigned 8-bit weights, 32-bit sums) takes 16 rows x 32 inputs of the
+// activations (tile A: xq as it lies, one row per tile row) against 32 inputs x 16 outputs of the weights (tile B:
+// 8 rows of 64 bytes, each row one step j of 4 inputs for the 16 outputs: exactly the layout the VNNI loops
+// unpack into their zmm registers) and gives the 16 x 16 sums of one group of 32 inputs. Integer sums are exact,
+// so each group's sums are bitwise those of the VNNI loops, and the float work after them (per row, per group or
+// super-block) is the VNNI loops' own code in the same order: a row's result is bitwise the same on either path,
+// so a call picks its path by its number of rows without changing a bit of any row. Rows of a call are done 16 at
+// a time (the A tile's rows; a call of fewer rows configures tiles of its size; past 16, the rows past the call's
+// end read zeros from a padded copy and are dropped).
+// Linux gives a process the AMX state only on request (arch_prctl ARCH_REQ_XCOMP_PERM): where that request fails
+// (an old kernel, a sandbox), or the compiler or CPU has no AMX, every call stays on VNNI.
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define PACER_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+static bool amx_permitted() {
+    static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+    return ok;
+}
+
+// calls of at least this many rows go to the tiles; 0: none (set by pacer_set_amx_rows)
+static int64_t amx_rows = 9;
+
+struct alignas(64) TileConfig {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+};
+
+// tiles 0-3: the sums of four groups (rows x 16 int32 each), 4-5: activations (rows x 32 bytes), 6-7: weights (8 rows
+// x 64 bytes), for calls of `rows` <= 16 rows. Four groups are in flight at once: a tile's product, store and reload
+// take several times the latency of its issue, and tiles are not renamed, so one tile reused group after group
+// would serialize them.
+static void tile_config(int64_t rows) {
+    TileConfig c;
+    for (int t = 0; t < 4; ++t) { c.colsb[t] = 64; c.rows[t] = uint8_t(rows); }
+    for (int t = 4; t < 6; ++t) { c.colsb[t] = 32; c.rows[t] = uint8_t(rows); }
+    for (int t = 6; t < 8; ++t) { c.colsb[t] = 64; c.rows[t] = 8; }
+    _tile_loadconfig(&c);
+}
+
+static const int64_t AMX_BLOCK = 16;
+
+// a call of more than 16 rows: xq (m, k) -> rows padded with zeros to a multiple of 16 (nullptr when m is one: read
+// xq itself), each block of 16 on tiles of 16 rows
+static int8_t* padded_rows(const int8_t* xq, int64_t m, int64_t k) {
+    if (m <= AMX_BLOCK || m % AMX_BLOCK == 0) return nullptr;
+    const int64_t mp = (m + AMX_BLOCK - 1) / AMX_BLOCK * AMX_BLOCK;
+    int8_t* out = new int8_t[mp * k];
+    std::memcpy(out, xq, m * k);
+    std::memset(out + m * k, 0, (mp - m) * k);
+    return out;
+}
+
+// the 16 x 16 sums of four consecutive groups of 32 inputs: activations at x (stride k; group i at x + 32 i),
+// weights w[i] (8 x 64 bytes each) -> c (4 x 16 rows x 16 int32)
+static inline void four_group_sums(const int8_t* x, int64_t k, const void* const w[4], int32_t* c) {
+#define PACER_GROUP(i, a, b)                 \
+    _tile_zero(i);                           \
+    _tile_loadd(a, x + 32 * i, k);           \
+    _tile_loadd(b, w[i], 64);                \
+    _tile_dpbsud(i, a, b);
+    PACER_GROUP(0, 4, 6)
+    PACER_GROUP(1, 5, 7)
+    PACER_GROUP(2, 4, 6)
+    PACER_GROUP(3, 5, 7)
+#undef PACER_GROUP
+    _tile_stored(0, c, 64);
+    _tile_stored(1, c + 256, 64);
+    _tile_stored(2, c + 512, 64);
+    _tile_stored(3, c + 768, 64);
+}
+
+// q4_tile's arithmetic for 16 rows (rows < 16 of them kept), the sums of each group from the tiles
+static void q4_tile_amx(const uint8_t* packed, const uint8_t* sc, const uint8_t* mn, const uint16_t* dd,
+                        const int8_t* xq, const float* sx, const int16_t* xs, int64_t k, int64_t blocks, int64_t rows,
+                        float* out, int64_t ldo) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    alignas(64) uint8_t w[4][512];
+    const void* const wp[4] = {w[0], w[1], w[2], w[3]};
+    alignas(64) int32_t c[4 * 16 * 16];
+    for (int64_t b = 0; b < blocks; ++b) {
+        __m512i iacc[16];
+        for (int r = 0; r < 16; ++r) iacc[r] = _mm512_setzero_si512();
+        for (int half = 0; half < 2; ++half) {
+            for (int i = 0; i < 4; ++i) {
+                const uint8_t* p = packed + ((b * 8 + half * 4 + i) * 256);
+                _mm_prefetch((const char*)(p + PREFETCH), _MM_HINT_T0);
+                _mm_prefetch((const char*)(p + PREFETCH + 64), _MM_HINT_T0);
+                _mm_prefetch((const char*)(p + PREFETCH + 128), _MM_HINT_T0);
+                _mm_prefetch((const char*)(p + PREFETCH + 192), _MM_HINT_T0);
+                for (int j = 0; j < 4; ++j) {
+                    const __m512i v = _mm512_loadu_si512((const void*)(p + j * 64));
+                    _mm512_store_si512((void*)(w[i] + j * 64), _mm512_and_si512(v, low));
+                    _mm512_store_si512((void*)(w[i] + (j + 4) * 64), _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+                }
+            }
+            four_group_sums(xq + b * 256 + half * 128, k, wp, c);
+            for (int i = 0; i < 4; ++i) {
+                const int g = half * 4 + i;
+                const __m512i scv = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(sc + (b * 8 + g) * 16)));
+                for (int64_t r = 0; r < rows; ++r)
+                    iacc[r] = _mm512_add_epi32(iacc[r], _mm512_mullo_epi32(_mm512_load_si512((const void*)(c + 256 * i + 16 * r)), scv));
+            }
+        }
+        const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(dd + b * 32)));
+        const __m512 dminv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(dd + b * 32 + 16)));
+        for (int64_t r = 0; r < rows; ++r) {  // as q4_tile
+            const int16_t* xsr = xs + r * (k / 32) + b * 8;
+            __m512i msum = _mm512_setzero_si512();
+            for (int q = 0; q < 4; ++q) {
+                const __m512i mnq = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(mn + (b * 4 + q) * 32)));
+                msum = _mm512_dpwssd_epi32(msum, mnq, _mm512_set1_epi32(load4((const int8_t*)(xsr + 2 * q))));
+            }
+            __m512 t = _mm512_sub_ps(_mm512_mul_ps(dv, _mm512_cvtepi32_ps(iacc[r])),
+                                     _mm512_mul_ps(dminv, _mm512_cvtepi32_ps(msum)));
+            float* o = out + r * ldo;
+            _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), _mm512_mul_ps(_mm512_set1_ps(sx[r * blocks + b]), t)));
+        }
+    }
+}
+
+// q8_tile's arithmetic for 16 rows (rows < 16 of them kept): the packed int8 weights are tile B as they lie. k is a
+// multiple of 128 (the target's layers: of 256).
+static void q8_tile_amx(const uint8_t* packed, const float* scale, const int8_t* xq, const float* sx, const int16_t* xs,
+                        int64_t k, int64_t rows, float* out, int64_t ldo) {
+    alignas(64) int32_t c[4 * 16 * 16];
+    __m512 acc[16];
+    for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t g0 = 0; g0 < k / 32; g0 += 4) {
+        const uint8_t* p = packed + g0 * 512;
+        for (int j = 0; j < 32; ++j) _mm_prefetch((const char*)(p + j * 64 + PREFETCH), _MM_HINT_T0);
+        const void* const wp[4] = {p, p + 512, p + 1024, p + 1536};
+        four_group_sums(xq + g0 * 32, k, wp, c);
+        for (int i = 0; i < 4; ++i) {
+            const int64_t g = g0 + i;
+            for (int64_t r = 0; r < rows; ++r) {  // as q8_tile
+                const __m512i s = _mm512_load_si512((const void*)(c + 256 * i + 16 * r));
+                const __m512i exact = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * int32_t(xs[r * (k / 32) + g])));
+                acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_set1_ps(sx[r * (k / 32) + g]), _mm512_cvtepi32_ps(exact)));
+            }
+        }
+    }
+    const __m512 sv = _mm512_loadu_ps(scale);
+    for (int64_t r = 0; r < rows; ++r) _mm512_storeu_ps(out + r * ldo, _mm512_mul_ps(acc[r], sv));
+}
+
+static bool use_amx(int64_t m, int64_t k) { return amx_rows > 0 && m >= amx_rows && k % 128 == 0 && amx_permitted(); }
+
+extern "C" int pacer_amx_available() { return amx_permitted() ? 1 : 0; }
+#else
+static bool use_amx(int64_t, int64_t) { return false; }
+extern "C" int pacer_amx_available() { return 0; }
+#endif
+
+// Calls of at least `rows` rows use the AMX tiles where this build and process have them; 0: never; negative: left
+// as it is. Returns the previous setting (0 where there are no tiles; a row's results are the same bits either way).
+extern "C" int64_t pacer_set_amx_rows(int64_t rows) {
+#ifdef PACER_AMX
+    const int64_t previous = amx_permitted() ? amx_rows : 0;
+    if (rows >= 0) amx_rows = rows;
+    return previous;
+#else
+    (void)rows;
+    return 0;
+#endif
+}
+
 // A tile's float results (rows x 16 in acc) plus the bias, to out (float, or bf16 rounded to nearest even as
 // torch's conversion rounds; NaN stays NaN).
 static void finish(const float* acc, int64_t rows, const float* bias, void* out, int out_bf16, int64_t offset,
@@ -190,6 +360,31 @@ extern "C" void pacer_q4k_matmul(const uint8_t* packed, const uint8_t* sc, const
                                  int64_t n, int64_t k, const int8_t* xq, const float* sx,
                                  const int16_t* xs, int64_t m, const float* bias, int out_bf16, void* out) {
     const int64_t tiles = n / 16, blocks = k / 256;
+#ifdef PACER_AMX
+    if (use_amx(m, k)) {
+        int8_t* pad = padded_rows(xq, m, k);
+        const int8_t* x = pad ? pad : xq;
+#pragma omp parallel
+        {
+            tile_config(m < AMX_BLOCK ? m : AMX_BLOCK);
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < tiles; ++t) {
+                for (int64_t r0 = 0; r0 < m; r0 += AMX_BLOCK) {
+                    const int64_t rows = m - r0 < AMX_BLOCK ? m - r0 : AMX_BLOCK;
+                    alignas(64) float acc[AMX_BLOCK * 16];
+                    std::memset(acc, 0, sizeof acc);
+                    q4_tile_amx(packed + t * blocks * 8 * 256, sc + t * blocks * 8 * 16, mn + t * blocks * 8 * 16,
+                                dd + t * blocks * 32, x + r0 * k, sx + r0 * blocks, xs + r0 * (k / 32), k, blocks, rows,
+                                acc, 16);
+                    finish(acc, rows, bias ? bias + t * 16 : nullptr, out, out_bf16, r0 * n + t * 16, n);
+                }
+            }
+            _tile_release();
+        }
+        delete[] pad;
+        return;
+    }
+#endif
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < tiles; ++t) {
         const uint8_t* pt = packed + t * blocks * 8 * 256;
@@ -211,6 +406,29 @@ extern "C" void pacer_q8_matmul(const uint8_t* packed, const float* scale, int64
                                 const float* sx, const int16_t* xs, int64_t m, const float* bias, int out_bf16,
                                 void* out) {
     const int64_t tiles = n / 16;
+#ifdef PACER_AMX
+    if (use_amx(m, k)) {
+        int8_t* pad = padded_rows(xq, m, k);
+        const int8_t* x = pad ? pad : xq;
+#pragma omp parallel
+        {
+            tile_config(m < AMX_BLOCK ? m : AMX_BLOCK);
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < tiles; ++t) {
+                for (int64_t r0 = 0; r0 < m; r0 += AMX_BLOCK) {
+                    const int64_t rows = m - r0 < AMX_BLOCK ? m - r0 : AMX_BLOCK;
+                    alignas(64) float acc[AMX_BLOCK * 16];
+                    q8_tile_amx(packed + t * k * 16, scale + t * 16, x + r0 * k, sx + r0 * (k / 32), xs + r0 * (k / 32),
+                                k, rows, acc, 16);
+                    finish(acc, rows, bias ? bias + t * 16 : nullptr, out, out_bf16, r0 * n + t * 16, n);
+                }
+            }
+            _tile_release();
+        }
+        delete[] pad;
+        return;
+    }
+#endif
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < tiles; ++t) {
         for (int64_t r0 = 0; r0 < m; r0 += ROW_BLOCK) {
@@ -538,4 +756,6 @@ extern "C" void pacer_layer_rest(const uint16_t* q, const uint16_t* keys, const 
 }
 #else
 extern "C" int pacer_vnni_available() { return 0; }
+extern "C" int pacer_amx_available() { return 0; }
+extern "C" int64_t pacer_set_amx_rows(int64_t) { return 0; }
 #endif
