@@ -169,6 +169,54 @@ def test_amx_tiles_give_the_vnni_loops_bits(cls):
                 assert torch.equal(layer(xd[:, :rows]), alone[:, :rows]), (dtype, rows)
 
 
+EXP_CHECK = r"""
+#include "vnni_matmul.cpp"
+#include <cstdio>
+int main() {  // every finite bf16 value as a gate: the vector SiLU, rounded to bf16 as the layer rounds it, against expf
+    long differ = 0, worst = 0, n = 0;
+    for (uint32_t h = 0; h < 65536; ++h) {
+        float g;
+        const uint32_t u = h << 16;
+        std::memcpy(&g, &u, 4);
+        if (!std::isfinite(g)) continue;
+        alignas(64) float e[16], silu[16];
+        const __m512 v = _mm512_set1_ps(g);
+        _mm512_store_ps(e, exp_ps(v));
+        _mm512_store_ps(silu, _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), v)))));
+        const float ref = std::exp(g);
+        int32_t a, b;
+        std::memcpy(&a, &e[0], 4);
+        std::memcpy(&b, &ref, 4);
+        if (std::isfinite(ref) && ref >= 1.2e-38f && std::labs(long(a) - long(b)) > worst) worst = std::labs(long(a) - long(b));
+        if (f2bf(silu[0]) != f2bf(g / (1.0f + std::exp(-g)))) ++differ;
+        ++n;
+    }
+    std::printf("%ld %ld %ld\n", n, worst, differ);
+}
+"""
+
+
+def test_the_vector_silu_rounds_as_the_scalar_one_on_every_bf16(tmp_path):
+    """The fused layers' SiLU takes e^x from a vector polynomial (`exp_ps`) where it took libm's expf a unit: within
+    1 ulp of expf on every bf16 input (normal results), and the SiLU rounded to bf16, as the layer keeps it, equal on
+    every finite bf16 input: the layers' numbers did not move."""
+    import shutil
+    import subprocess
+
+    from modeling_pacer.cpu.kernels import FLAGS, SOURCE
+
+    compiler = shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        pytest.skip("no C++ compiler")
+    (tmp_path / "check.cpp").write_text(EXP_CHECK)
+    flags = [f for f in FLAGS if f not in ("-shared", "-fPIC")]
+    subprocess.run([compiler, *flags, "-I", str(SOURCE.parent), "-o", str(tmp_path / "check"),
+                    str(tmp_path / "check.cpp")], check=True, capture_output=True)
+    n, worst, differ = map(int, subprocess.run([str(tmp_path / "check")], check=True, capture_output=True,
+                                               text=True).stdout.split())
+    assert n == 65536 - 256 and worst <= 1 and differ == 0  # 256 codes are infinities and NaNs
+
+
 def test_amx_rows_is_a_setting_not_a_result():
     """amx_rows(n) restores the previous threshold on leaving, refuses a negative one, and is harmless without
     tiles."""

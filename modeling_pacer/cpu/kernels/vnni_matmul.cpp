@@ -20,6 +20,7 @@
 // float operations beyond the explicit ones below).
 #include <cstdint>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -280,6 +281,91 @@ static void q4_tile_amx(const uint8_t* packed, const uint8_t* sc, const uint8_t*
     }
 }
 
+// A call of more than 16 rows (a prompt), its rows padded to a multiple of 16. Each group's 6-bit scale is split,
+// sc = 8 hi + lo (hi, lo in 0..7), and folded into two copies of the group's weights, hi * q and lo * q (at most
+// 105: a byte), built once per super-block of the tile for all the row blocks. The tiles then sum a super-block's
+// 256 inputs in two accumulators, 64 inputs a product, and
+//   sum_g sc_g sum_{i in g} x_i q_i = 8 sum_i x_i (hi q)_i + sum_i x_i (lo q)_i,
+// exactly (integers; at most 256 x 127 x 105 in magnitude): the same sums as q4_tile's, then its float work per row.
+// Tiles: 0-1 the sums (hi, lo; 16 rows x 16 int32), 2-3 activations (16 rows x 64 bytes), 4-5 and 6-7 the scaled
+// weights (16 rows x 64 bytes: two groups' 8 steps).
+static void tile_config_prompt() {
+    TileConfig c;
+    for (int t = 0; t < 8; ++t) { c.colsb[t] = 64; c.rows[t] = 16; }
+    _tile_loadconfig(&c);
+}
+
+// bytes q (0..15) times per-output factors s (0..7; 16-bit lanes, each output's factor in both of its lanes)
+static inline __m512i scale_codes(__m512i q, __m512i s) {
+    const __m512i even = _mm512_mullo_epi16(_mm512_and_si512(q, _mm512_set1_epi16(0x00FF)), s);
+    const __m512i odd = _mm512_mullo_epi16(_mm512_srli_epi16(q, 8), s);
+    return _mm512_or_si512(even, _mm512_slli_epi16(odd, 8));
+}
+
+// out: m x 16 floats (stride 16), zeroed; xq: m (a multiple of 16) rows
+static void q4_rows_amx(const uint8_t* packed, const uint8_t* sc, const uint8_t* mn, const uint16_t* dd,
+                        const int8_t* xq, const float* sx, const int16_t* xs, int64_t k, int64_t blocks, int64_t m,
+                        int64_t rows_kept, float* out) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    alignas(64) uint8_t whi[8 * 512], wlo[8 * 512];  // per group: 8 steps x 16 outputs x 4 inputs
+    alignas(64) int32_t c[2 * 16 * 16];
+    for (int64_t b = 0; b < blocks; ++b) {
+        for (int g = 0; g < 8; ++g) {
+            const __m128i scg = _mm_loadu_si128((const __m128i*)(sc + (b * 8 + g) * 16));
+            const __m128i hi8 = _mm_and_si128(_mm_srli_epi16(scg, 3), _mm_set1_epi8(7));
+            const __m128i lo8 = _mm_and_si128(scg, _mm_set1_epi8(7));
+            const __m512i hi32 = _mm512_cvtepu8_epi32(hi8), lo32 = _mm512_cvtepu8_epi32(lo8);
+            const __m512i shi = _mm512_or_si512(hi32, _mm512_slli_epi32(hi32, 16));
+            const __m512i slo = _mm512_or_si512(lo32, _mm512_slli_epi32(lo32, 16));
+            const uint8_t* p = packed + ((b * 8 + g) * 256);
+            for (int j = 0; j < 4; ++j) {
+                const __m512i v = _mm512_loadu_si512((const void*)(p + j * 64));
+                const __m512i q0 = _mm512_and_si512(v, low), q1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                _mm512_store_si512((void*)(whi + g * 512 + j * 64), scale_codes(q0, shi));
+                _mm512_store_si512((void*)(whi + g * 512 + (j + 4) * 64), scale_codes(q1, shi));
+                _mm512_store_si512((void*)(wlo + g * 512 + j * 64), scale_codes(q0, slo));
+                _mm512_store_si512((void*)(wlo + g * 512 + (j + 4) * 64), scale_codes(q1, slo));
+            }
+        }
+        const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(dd + b * 32)));
+        const __m512 dminv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(dd + b * 32 + 16)));
+        for (int64_t r0 = 0; r0 < m; r0 += AMX_BLOCK) {
+            const int8_t* x = xq + r0 * k + b * 256;
+            _tile_zero(0);
+            _tile_zero(1);
+#define PACER_PAIR(j, a, bh, bl)                 \
+    _tile_loadd(a, x + 64 * j, k);               \
+    _tile_loadd(bh, whi + 1024 * j, 64);         \
+    _tile_loadd(bl, wlo + 1024 * j, 64);         \
+    _tile_dpbsud(0, a, bh);                      \
+    _tile_dpbsud(1, a, bl);
+            PACER_PAIR(0, 2, 4, 6)
+            PACER_PAIR(1, 3, 5, 7)
+            PACER_PAIR(2, 2, 4, 6)
+            PACER_PAIR(3, 3, 5, 7)
+#undef PACER_PAIR
+            _tile_stored(0, c, 64);
+            _tile_stored(1, c + 256, 64);
+            const int64_t rows = rows_kept - r0 < AMX_BLOCK ? rows_kept - r0 : AMX_BLOCK;
+            for (int64_t i = 0; i < rows; ++i) {  // as q4_tile
+                const int64_t r = r0 + i;
+                const __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512((const void*)(c + 16 * i)), 3),
+                                                      _mm512_load_si512((const void*)(c + 256 + 16 * i)));
+                const int16_t* xsr = xs + r * (k / 32) + b * 8;
+                __m512i msum = _mm512_setzero_si512();
+                for (int q = 0; q < 4; ++q) {
+                    const __m512i mnq = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(mn + (b * 4 + q) * 32)));
+                    msum = _mm512_dpwssd_epi32(msum, mnq, _mm512_set1_epi32(load4((const int8_t*)(xsr + 2 * q))));
+                }
+                __m512 t = _mm512_sub_ps(_mm512_mul_ps(dv, _mm512_cvtepi32_ps(isum)),
+                                         _mm512_mul_ps(dminv, _mm512_cvtepi32_ps(msum)));
+                float* o = out + r * 16;
+                _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), _mm512_mul_ps(_mm512_set1_ps(sx[r * blocks + b]), t)));
+            }
+        }
+    }
+}
+
 // q8_tile's arithmetic for 16 rows (rows < 16 of them kept): the packed int8 weights are tile B as they lie. k is a
 // multiple of 128 (the target's layers: of 256).
 static void q8_tile_amx(const uint8_t* packed, const float* scale, const int8_t* xq, const float* sx, const int16_t* xs,
@@ -366,9 +452,23 @@ extern "C" void pacer_q4k_matmul(const uint8_t* packed, const uint8_t* sc, const
         const int8_t* x = pad ? pad : xq;
 #pragma omp parallel
         {
-            tile_config(m < AMX_BLOCK ? m : AMX_BLOCK);
+            float* many = nullptr;  // a prompt's rows: a tile's outputs for all of them
+            if (m > AMX_BLOCK) {
+                tile_config_prompt();
+                many = static_cast<float*>(std::aligned_alloc(64, m * 16 * sizeof(float)));
+            } else {
+                tile_config(m);
+            }
+            const int64_t mp = (m + AMX_BLOCK - 1) / AMX_BLOCK * AMX_BLOCK;
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < tiles; ++t) {
+                if (many) {
+                    std::memset(many, 0, m * 16 * sizeof(float));
+                    q4_rows_amx(packed + t * blocks * 8 * 256, sc + t * blocks * 8 * 16, mn + t * blocks * 8 * 16,
+                                dd + t * blocks * 32, x, sx, xs, k, blocks, mp, m, many);
+                    finish(many, m, bias ? bias + t * 16 : nullptr, out, out_bf16, t * 16, n);
+                    continue;
+                }
                 for (int64_t r0 = 0; r0 < m; r0 += AMX_BLOCK) {
                     const int64_t rows = m - r0 < AMX_BLOCK ? m - r0 : AMX_BLOCK;
                     alignas(64) float acc[AMX_BLOCK * 16];
@@ -380,6 +480,7 @@ extern "C" void pacer_q4k_matmul(const uint8_t* packed, const uint8_t* sc, const
                 }
             }
             _tile_release();
+            std::free(many);
         }
         delete[] pad;
         return;
@@ -588,6 +689,50 @@ static inline uint16_t f2bf(float f) {  // round to nearest even, as torch conve
 
 static inline float round_bf(float f) { return bf2f(f2bf(f)); }
 
+// 16 floats rounded to bf16 as f2bf rounds them (nearest even, NaN stays NaN), as 16-bit codes
+static inline __m256i f2bf_ps(__m512 v) {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb)), 16);
+    rounded = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), rounded, _mm512_set1_epi32(0x7FC0));
+    return _mm512_cvtepi32_epi16(rounded);
+}
+
+static inline __m512 bf2f_ps(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+
+// e^x for 16 floats (Cephes' expf: x = n ln 2 + r, |r| <= ln 2 / 2, e^r by its degree-7 polynomial, then 2^n by
+// scalef; within 2 ulp of e^x, infinity past 88.7, zero below -104, NaN kept). The MLP's SiLU took a scalar expf a
+// hidden unit: about a seventh of a prompt's time.
+static inline __m512 exp_ps(__m512 x) {
+    const __m512 xc = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(89.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 poly = _mm512_set1_ps(1.9875691500E-4f);
+    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.3981999507E-3f));
+    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(8.3334519073E-3f));
+    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(4.1665795894E-2f));
+    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.6666665459E-1f));
+    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(5.0000001201E-1f));
+    poly = _mm512_fmadd_ps(poly, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    const __m512 e = _mm512_scalef_ps(poly, n);
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), e, x);
+}
+
+// one row of the MLP's activation: out = bf16(bf16(silu(gate)) * up), 16 hidden units at a time (a masked last
+// step: every unit of every row goes through the same instructions)
+static void silu_mul(const uint16_t* gate, const uint16_t* up, int64_t n, uint16_t* out) {
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 mask = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
+        const __m512 g = bf2f_ps(_mm256_maskz_loadu_epi16(mask, gate + i));
+        const __m512 u = bf2f_ps(_mm256_maskz_loadu_epi16(mask, up + i));
+        const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+        const __m512 rounded = bf2f_ps(f2bf_ps(silu));
+        _mm256_mask_storeu_epi16(out + i, mask, f2bf_ps(_mm512_mul_ps(rounded, u)));
+    }
+}
+
 // calls of this many rows or more (a prompt) split their row-wise loops over threads: each row (each element) is
 // still computed by the same code alone; fewer rows (a decoding step) stay on one thread, cheaper than waking others
 static const int64_t PARALLEL_ROWS = 8;
@@ -735,10 +880,7 @@ extern "C" void pacer_layer_rest(const uint16_t* q, const uint16_t* keys, const 
         linear_rows(ws[2], normed, up);
     }
 #pragma omp parallel for schedule(static) if (m >= PARALLEL_ROWS)
-    for (int64_t i = 0; i < m * inter; ++i) {
-        const float g = bf2f(gate[i]);
-        a[i] = f2bf(round_bf(g / (1.0f + std::exp(-g))) * bf2f(up[i]));
-    }
+    for (int64_t r = 0; r < m; ++r) silu_mul(gate + r * inter, up + r * inter, inter, a + r * inter);
     {
         Inputs activated(a, m, inter);
         linear_rows(ws[3], activated, o);
