@@ -109,9 +109,10 @@ def markdown(report: dict) -> str:
              "| layer | " + " | ".join(f"{r} rows" for r in shown) + " | GB/s at 1 row | peak MACs/ns | "
              f"bound at {rows[-1]} rows |",
              "|---|" + "---|" * len(shown) + "---|---|---|"]
+    several = len({e.get("path", "default") for e in report["layers"]}) > 1  # label each row with its path
     for e in report["layers"]:
         cells = [f"{e['ms'][r]:.3f} ({e['ratio'][r]:.2f}x)" for r in shown]
-        path = "" if e.get("path", "default") == "default" else f" ({e['path']})"
+        path = f" ({e.get('path', 'default')})" if several else ""
         lines.append(f"| {e['kind']} {e['in_features']}x{e['out_features']}{path} | " + " | ".join(cells) +
                      f" | {e['gb_per_s']:.1f} | {e['peak_macs_per_ns']:.0f} | {e['bound'][rows[-1]]:.2f}x |")
     return "\n".join(lines) + "\n"
