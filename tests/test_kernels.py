@@ -149,15 +149,18 @@ def test_rows_do_not_depend_on_the_row_count_or_threads(cls, threads):
     assert [(r.lo, r.hi) for r in row_runs(layer, 24)] == [(1, 24)]
 
 
-@pytest.mark.parametrize("cls", [W4A8Linear, W8A8Linear])
-def test_amx_tiles_give_the_vnni_loops_bits(cls):
-    """On a CPU with AMX, calls of several rows go to the tiles: every row of every call size (1..40: one tile of 16
-    rows, several, a remainder padded with zeros) is bitwise what the VNNI loops give it alone, in both output dtypes
-    and with a bias. Elsewhere the tiles are absent and the test says so."""
+@pytest.mark.parametrize("kind", ["w4a8", "w8a8", "int4"])
+def test_amx_tiles_give_the_vnni_loops_bits(kind):
+    """On a CPU with AMX, calls of several rows go to the tiles (Q4_K and int8 from the threshold on, the draft's int4
+    for a prompt): every row of every call size (1..40: one tile of 16 rows, several, a remainder padded with zeros)
+    is bitwise what the VNNI loops give it alone, in both output dtypes and with a bias. Elsewhere the tiles are
+    absent and the test says so."""
     if not kernels.amx_available():
         pytest.skip("no AMX tiles here (CPU, compiler or kernel)")
     torch.manual_seed(5)
-    layer = cls.from_linear(torch.nn.Linear(768, 48, bias=True))
+    linear = torch.nn.Linear(768, 48, bias=True)
+    layer = (Int4Linear.from_linear(linear, kernel="pacer") if kind == "int4"
+             else {"w4a8": W4A8Linear, "w8a8": W8A8Linear}[kind].from_linear(linear))
     x = torch.randn(1, 40, 768, dtype=torch.bfloat16) * 4
     x[0, 7] = 0  # a zero row: scale 0
     for dtype in (torch.bfloat16, torch.float32):

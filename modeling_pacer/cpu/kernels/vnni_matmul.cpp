@@ -594,10 +594,78 @@ static void i4_tile(const uint8_t* packed, const uint16_t* sz, const int8_t* xq,
 
 // out: (m, n), float or (out_bf16) bf16, plus bias (n floats) unless null; xq, sx, xs from pacer_quantize_rows with
 // block 32.
+#ifdef PACER_AMX
+// i4_tile's arithmetic for a call of more than 16 rows (a draft's prompt), its rows padded to a multiple of 16 (m):
+// four groups of the tile's weights unpacked at a time, once for all the row blocks; each group's sums from the tiles,
+// then per row, groups in ascending order as i4_tile adds them, acc += sx_g * (s_g * (sum - 8 xs_g) + z_g * xs_g).
+// out: rows_kept x 16 floats (stride 16), zeroed.
+static void i4_rows_amx(const uint8_t* packed, const uint16_t* sz, const int8_t* xq, const float* sx, const int16_t* xs,
+                        int64_t k, int64_t m, int64_t rows_kept, float* out) {
+    const int64_t groups = k / 32;
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    alignas(64) uint8_t w[4][512];
+    const void* const wp[4] = {w[0], w[1], w[2], w[3]};
+    alignas(64) int32_t c[4 * 16 * 16];
+    for (int64_t g0 = 0; g0 < groups; g0 += 4) {
+        __m512 s[4], z[4];
+        for (int i = 0; i < 4; ++i) {
+            const uint8_t* p = packed + (g0 + i) * 256;
+            for (int j = 0; j < 4; ++j) {
+                const __m512i v = _mm512_loadu_si512((const void*)(p + j * 64));
+                _mm512_store_si512((void*)(w[i] + j * 64), _mm512_and_si512(v, low));
+                _mm512_store_si512((void*)(w[i] + (j + 4) * 64), _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+            }
+            s[i] = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(sz + (g0 + i) * 32))), 16));
+            z[i] = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(sz + (g0 + i) * 32 + 16))), 16));
+        }
+        for (int64_t r0 = 0; r0 < m; r0 += AMX_BLOCK) {
+            four_group_sums(xq + r0 * k + g0 * 32, k, wp, c);
+            const int64_t end = rows_kept < r0 + AMX_BLOCK ? rows_kept : r0 + AMX_BLOCK;
+            for (int64_t r = r0; r < end; ++r) {
+                __m512 acc = _mm512_loadu_ps(out + r * 16);
+                for (int i = 0; i < 4; ++i) {  // as i4_tile, group after group
+                    const int32_t total = xs[r * groups + g0 + i];
+                    const __m512i sum = _mm512_load_si512((const void*)(c + 256 * i + 16 * (r - r0)));
+                    const __m512i centred = _mm512_sub_epi32(sum, _mm512_set1_epi32(8 * total));
+                    const __m512 t = _mm512_add_ps(_mm512_mul_ps(s[i], _mm512_cvtepi32_ps(centred)),
+                                                   _mm512_mul_ps(z[i], _mm512_set1_ps(float(total))));
+                    acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_set1_ps(sx[r * groups + g0 + i]), t));
+                }
+                _mm512_storeu_ps(out + r * 16, acc);
+            }
+        }
+    }
+}
+#endif
+
 extern "C" void pacer_i4_matmul(const uint8_t* packed, const uint16_t* sz, int64_t n, int64_t k, const int8_t* xq,
                                 const float* sx, const int16_t* xs, int64_t m, const float* bias, int out_bf16,
                                 void* out) {
     const int64_t tiles = n / 16, groups = k / 32;
+#ifdef PACER_AMX
+    if (m > AMX_BLOCK && use_amx(m, k)) {  // a prompt; fewer rows (a step, a catch-up) stay on VNNI
+        int8_t* pad = padded_rows(xq, m, k);
+        const int8_t* x = pad ? pad : xq;
+        const int64_t mp = (m + AMX_BLOCK - 1) / AMX_BLOCK * AMX_BLOCK;
+#pragma omp parallel
+        {
+            tile_config(AMX_BLOCK);
+            float* many = static_cast<float*>(std::aligned_alloc(64, m * 16 * sizeof(float)));
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < tiles; ++t) {
+                std::memset(many, 0, m * 16 * sizeof(float));
+                i4_rows_amx(packed + t * groups * 256, sz + t * groups * 32, x, sx, xs, k, mp, m, many);
+                finish(many, m, bias ? bias + t * 16 : nullptr, out, out_bf16, t * 16, n);
+            }
+            _tile_release();
+            std::free(many);
+        }
+        delete[] pad;
+        return;
+    }
+#endif
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < tiles; ++t) {
         for (int64_t r0 = 0; r0 < m; r0 += ROW_BLOCK) {
