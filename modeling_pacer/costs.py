@@ -5,7 +5,6 @@ this machine's curve, never one stored from another machine: on CPU its shape ch
 kernels and with the dtype (a flat bf16 curve, an fp32 staircase whose steps move from host to host).
 """
 
-import contextlib
 import hashlib
 import json
 import os
@@ -35,7 +34,7 @@ from .custom_generate.costs import (  # noqa: F401 - the measurement, at the loo
 from .custom_generate.steps import crop_cache, model_forward
 from .draft_vocab import kept_tokens
 from .cpu.exact_linear import is_exact_linear
-from .cpu.fused_layers import FusedModelStep, eager_layers, fused_layers
+from .cpu.fused_layers import FusedModelStep, fused_layers, timed_kernels
 from .host import cache_root, cpuinfo_field
 from .resources import write_json
 
@@ -70,22 +69,29 @@ def measure_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
     return data.numel() * 4 / seconds
 
 
+# a fused layer's calls, as [`timed_kernels`] names them -> as a split reports them
+FUSED_PARTS = {"layer_qkv": "qkv_kernel", "update": "cache_update", "layer_rest": "rest_kernel"}
+
+
 def time_split(model, input_ids: torch.Tensor, tokens: int = 1, repeats: int = 5) -> dict[str, float]:
     """Where one forward of `tokens` tokens after a cached `input_ids` prefix spends its wall-clock time,
     in seconds (median over `repeats`): "linear" (every linear layer's forward, Python included),
     "attention" (the attention modules' own time, their projections excluded), "other" (norms, MLP
     activations, embeddings, rotary, the model's Python glue) and "total". Measured with forward hooks,
-    whose own cost (a few microseconds per module) lands in the groups. A model whose decoder layers run fused
-    (modeling_pacer.cpu.fused_layers: two kernel calls a layer, no module inside them called) is split on its eager
-    layers, and "eager_layers" is then 1.0 (else 0.0)."""
-    routed = fused_layers(model) > 0
-    with eager_layers(model) if routed else contextlib.nullcontext():
-        return dict(_time_split(model, input_ids, tokens, repeats), eager_layers=float(routed))
-
-
-def _time_split(model, input_ids: torch.Tensor, tokens: int, repeats: int) -> dict[str, float]:
-    spent = {"linear": 0.0, "attention": 0.0}
+    whose own cost (a few microseconds per module) lands in the groups. The decoder layers of a fused model
+    (modeling_pacer.cpu.fused_layers: two kernel calls a layer, no module inside them called) are split by their
+    calls instead: "qkv_kernel" (RMSNorm, q/k/v, rotary), "cache_update" (transformers' cache), "rest_kernel"
+    (attention, o_proj, the MLP), summed over the layers; "linear" is then what runs outside them (the LM head),
+    and "fused" is 1.0 (else 0.0)."""
     clock = device_clock(*model_devices(model))  # on a GPU every hook waits for the work before it
+    # without gradients, as decoding runs (a fused layer takes no call that records them)
+    with torch.inference_mode(), timed_kernels(model, clock) as kernel_spent:
+        split = _time_split(model, input_ids, tokens, repeats, clock, kernel_spent)
+    return dict(split, fused=float(fused_layers(model) > 0))
+
+
+def _time_split(model, input_ids: torch.Tensor, tokens: int, repeats: int, clock, kernel_spent: dict) -> dict[str, float]:
+    spent = {"linear": 0.0, "attention": 0.0}
     starts, handles, in_attention = {}, [], set()  # in_attention: ids of the attention modules' projections
     groups = {id(m): "linear" if _is_linear(m) else "attention" for m in model.modules()
               if _is_linear(m) or type(m).__name__.endswith("Attention")}
@@ -112,16 +118,19 @@ def _time_split(model, input_ids: torch.Tensor, tokens: int, repeats: int) -> di
     try:
         for _ in range(repeats + 1):  # the first one warms up
             spent.update(linear=0.0, attention=0.0)
+            kernel_spent.clear()
             t0 = clock()
             model_forward(model, input_ids[:, -1:].repeat(1, tokens), cache, tokens)
             total = clock() - t0
             crop_cache(cache, prefix)
-            samples.append(dict(spent, total=total, other=total - spent["linear"] - spent["attention"]))
+            fused = {name: kernel_spent.get(call, 0.0) for call, name in FUSED_PARTS.items()}
+            samples.append(dict(spent, **fused, total=total,
+                                other=total - spent["linear"] - spent["attention"] - sum(fused.values())))
     finally:
         for handle in handles:
             handle.remove()
     samples = samples[1:]
-    return {key: statistics.median(s[key] for s in samples) for key in ("linear", "attention", "other", "total")}
+    return {key: statistics.median(s[key] for s in samples) for key in samples[0]}
 
 
 # --------------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from modeling_pacer.cpu import kernels
 from modeling_pacer.costs import describe_model
 from modeling_pacer import FixedLength, enable_pacer
 from modeling_pacer.cpu.fused_layers import (
-    MAX_ROWS, FusedDecoderStep, FusedModelStep, eager_layers, fuse_draft_layers, fuse_target_layers, fused_layers,
+    MAX_ROWS, FusedDecoderStep, FusedModelStep, eager_layers, fuse_draft_layers, fuse_target_layers, fused_layers, _untimed,
 )
 from modeling_pacer.cpu.quantization import W4A8Linear, W8A8Linear, quantize_linears
 from modeling_pacer.exact import make_exact
@@ -429,16 +429,32 @@ def test_the_flag_keeps_the_eager_layers(monkeypatch):
         assert seen[-1] is expected
 
 
-def test_a_split_of_a_fused_model_is_its_eager_layers():
+def test_a_split_of_a_fused_model_times_its_kernel_calls():
     """costs.time_split times module forwards with hooks, which a fused layer's kernel calls never reach: a fused
-    model is split on its eager layers (said in the result) and stays fused after."""
+    model's layers are split by their calls (the two kernels, the cache update), its LM head by its hook; the timing
+    leaves the numbers alone and is gone after the block."""
     from modeling_pacer.costs import time_split
+    from modeling_pacer.cpu.fused_layers import timed_kernels
 
     model = _int4_draft(seed=1)
     ids = torch.randint(0, model.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(0))
     plain = time_split(model, ids, repeats=1)
-    assert plain["eager_layers"] == 0.0 and plain["linear"] > 0
+    assert plain["fused"] == 0.0 and plain["linear"] > 0 and plain["attention"] > 0
+    assert plain["qkv_kernel"] == plain["cache_update"] == plain["rest_kernel"] == 0.0
     fuse_draft_layers(model)
     split = time_split(model, ids, repeats=1)
-    assert split["eager_layers"] == 1.0 and split["linear"] > 0 and split["attention"] > 0
+    assert split["fused"] == 1.0 and split["attention"] == 0.0  # no attention module is called
+    assert split["qkv_kernel"] > 0 and split["cache_update"] > 0 and split["rest_kernel"] > 0 and split["linear"] > 0
+    assert split["total"] >= split["qkv_kernel"] + split["cache_update"] + split["rest_kernel"] + split["linear"]
     assert isinstance(model.forward, FusedModelStep) and fused_layers(model) == model.config.num_hidden_layers
+    step = model.model.layers[0].forward
+    assert step._call is _untimed
+    with torch.inference_mode():
+        cache = DynamicCache(config=model.config)
+        model(ids[:, :-1], past_key_values=cache, use_cache=True)
+        untimed = model(ids[:, -1:], past_key_values=cache, use_cache=True).logits
+        cache.crop(-1)
+        with timed_kernels(model) as spent:
+            timed = model(ids[:, -1:], past_key_values=cache, use_cache=True).logits
+        assert set(spent) == {"layer_qkv", "update", "layer_rest"}
+    assert torch.equal(untimed, timed)

@@ -439,6 +439,27 @@ def test_the_default_pair_runs_its_best_measured_setting():
     assert default_head_path("no/such-pair") is None
 
 
+def test_costs_md_splits_fused_forwards_by_their_kernel_calls():
+    """An eager forward's split and a fused one's go to their own tables, every row with as many cells as its header
+    and its total over its floor."""
+    from modeling_pacer.benchmarks.cli import _split_tables
+
+    common = dict(total=0.02, weight_bytes=2e8, tokens=1)
+    eager = dict(common, linear=0.01, attention=0.004, other=0.006, qkv_kernel=0.0, cache_update=0.0,
+                 rest_kernel=0.0, fused=0.0)
+    fused = dict(common, linear=0.002, attention=0.0, other=0.003, qkv_kernel=0.002, cache_update=0.001,
+                 rest_kernel=0.012, fused=1.0)
+    lines = _split_tables({"w4a8": {"target, 1 token": eager, "draft, 1 token": fused}}, bandwidth=2e10)
+    text = "\n".join(lines)
+    assert "Where a forward's time goes" in text and "Where a fused forward's time goes" in text
+    rows = [line for line in lines if line.startswith("| w4a8 |")]
+    assert len(rows) == 2 and all(row.endswith("| 2.00x |") for row in rows)  # 20 ms over 200 MB at 20 GB/s
+    headers = [line for line in lines if line.startswith("| target setting |")]
+    for header, row in zip(headers, rows):
+        assert header.count("|") == row.count("|")
+    assert "| draft, 1 token | 200 | 10.0 | 2.0 | 1.0 | 12.0 | 2.0 | 3.0 | 20.0 | 2.00x |" in text
+
+
 def test_costs_repeat_reports_each_fresh_curve(tiny_folder, tmp_path, monkeypatch):
     """`pacer-bench costs --repeat N`: N fresh curves in a row beside the cached one, each curve's k/1 ratios."""
     from modeling_pacer import costs as costs_module

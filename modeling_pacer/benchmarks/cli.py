@@ -161,8 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     costs.add_argument("--refresh", action="store_true", help="measure again even where this host's curve is cached")
     costs.add_argument("--split", action="store_true",
                        help="also split the time of a target forward of 1 and 8 tokens and a draft step between linear "
-                            "layers, attention and the rest, beside the memory floor (weight bytes / this host's "
-                            "bandwidth), measured now (not cached)")
+                            "layers, attention and the rest (a fused model: its layers' two kernel calls and cache update, its LM "
+                            "head, the rest), beside the memory floor (weight bytes / this host's bandwidth), measured "
+                            "now (not cached)")
     costs.add_argument("--repeat", type=_positive, default=1,
                        help="also measure this many fresh curves in a row (not cached) and report each curve's cost of "
                             "4, 8 and 16 tokens over one, with the medians: how much one curve of this host varies")
@@ -543,6 +544,37 @@ def _repeat_table(repeats: dict[str, list[dict[int, float]]]) -> list[str]:
     return lines
 
 
+def _split_tables(splits: dict, bandwidth: float) -> list[str]:
+    """costs.md's split: one table for eager forwards (hooks on the modules), one for fused ones (a fused layer's
+    kernel calls timed where they are made), each row beside its memory floor."""
+    floor_words = ("against the memory floor: the weights it reads (every linear layer and norm, packed buffers "
+                   f"included) over this host's read bandwidth measured now ({bandwidth / 1e9:.1f} GB/s, a sum over 1 GiB)")
+    rows = [(label, role, t) for label, roles in splits.items() for role, t in roles.items()]
+    tables = (
+        ([r for r in rows if not r[2].get("fused")], ("linear", "attention", "other"),
+         "Where a forward's time goes, ms (median of 5; linear layers, attention without its projections, the rest: "
+         "norms, activations, embeddings, Python), " + floor_words,
+         "linear | attention | rest"),
+        ([r for r in rows if r[2].get("fused")], ("qkv_kernel", "cache_update", "rest_kernel", "linear", "other"),
+         "Where a fused forward's time goes, ms (median of 5; summed over the layers: the kernel call that norms, "
+         "projects q/k/v and rotates, transformers' cache update, the kernel call that attends and runs o_proj and "
+         "the MLP; then the linear layers outside the layers (the LM head), the rest: embedding, final norm, "
+         "Python), " + floor_words,
+         "layers: norm + q/k/v kernel | layers: cache update | layers: attention + o + MLP kernel | LM head | rest"),
+    )
+    lines = []
+    for chosen, keys, title, columns in tables:
+        if not chosen:
+            continue
+        lines += ["", title + ":", "", f"| target setting | model, forward | weights MB | floor | {columns} | total | total / floor |",
+                  "|---|---|---|---|" + "---|" * (len(keys) + 2)]
+        for label, role, t in chosen:
+            floor = t["weight_bytes"] / bandwidth
+            lines.append(f"| {label} | {role} | {t['weight_bytes'] / 1e6:.0f} | {1000 * floor:.1f} | "
+                         + " | ".join(f"{1000 * t[k]:.1f}" for k in (*keys, "total")) + f" | {t['total'] / floor:.2f}x |")
+    return lines
+
+
 def run_costs(args) -> dict:
     """Load the pair once per dtype, read or measure this host's cost curve, write costs.json/.md/.png."""
     import statistics
@@ -610,19 +642,7 @@ def run_costs(args) -> dict:
         lines.append(f"| {label} | " + " | ".join(f"{1000 * c['target_forward'][n]:.0f}" for n in tokens)
                      + f" | {1000 * c['draft_forward']:.0f} | {1000 * c['head_call']:.1f} |")
     if splits:
-        lines += ["", "Where a forward's time goes, ms (median of 5; linear layers, attention without its projections, "
-                  "the rest: norms, activations, embeddings, Python), against the memory floor: the weights it reads "
-                  f"(every linear layer and norm, packed buffers included) over this host's read bandwidth measured "
-                  f"now ({bandwidth / 1e9:.1f} GB/s, a sum over 1 GiB):", "",
-                  "| target setting | model, forward | weights MB | floor | linear | attention | rest | total | total / floor |",
-                  "|---|---|---|---|---|---|---|---|---|"]
-        for label, roles in splits.items():
-            for role, t in roles.items():
-                floor = t["weight_bytes"] / bandwidth
-                role += " (on its eager layers: fused ones are two kernel calls, not split)" if t.get("eager_layers") else ""
-                lines.append(f"| {label} | {role} | {t['weight_bytes'] / 1e6:.0f} | {1000 * floor:.1f} | "
-                             + " | ".join(f"{1000 * t[k]:.1f}" for k in ("linear", "attention", "other", "total"))
-                             + f" | {t['total'] / floor:.2f}x |")
+        lines += _split_tables(splits, bandwidth)
     if repeats:
         lines += ["", f"{args.repeat} fresh curves in a row (the target alone, interleaved sizes, median of 5 each): "
                   "each curve's cost of k tokens over its cost of one, and the median over the curves:", ""]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import time
 
 import torch
 from torch import nn
@@ -46,6 +47,10 @@ _BUFFERS = {
     W4A8Linear: ("q4k", ("packed_weight", "sub_scales", "sub_minimums", "super_scales", "bias")),
     W8A8Linear: ("int8", ("packed_weight", "scales", None, None, "bias")),
 }
+
+
+def _untimed(function, *args):
+    return function(*args)
 
 
 def rotary_tables(position_embeddings, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,6 +82,7 @@ class FusedDecoderStep:
         # nothing
         self._rotary: tuple = (None, None)
         self._mask: tuple = (None, None, None)
+        self._call = _untimed  # how step() calls its kernels and the cache: [`timed_kernels`] puts a clock around them
 
     def __call__(self, hidden_states, attention_mask=None, position_ids=None, cache=None, use_cache=False,
                  position_embeddings=None, **kwargs):
@@ -93,14 +99,14 @@ class FusedDecoderStep:
     def step(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache) -> torch.Tensor:
         """The layer on the kernels: `hidden` (rows, size) and the rotary tables (rows, head_dim), bf16, after what
         `cache` holds (the new keys and values appended to it) -> (rows, size)."""
-        layer = self.layer
+        layer, call = self.layer, self._call
         qkv, rest = self._projections()
         norm = layer.input_layernorm
-        q, k, v = kernels.layer_qkv(hidden, norm.weight, norm.variance_epsilon, qkv, cos, sin, self.head_dim)
-        keys, values = (k, v) if cache is None else cache.update(k, v, self.layer_idx)
+        q, k, v = call(kernels.layer_qkv, hidden, norm.weight, norm.variance_epsilon, qkv, cos, sin, self.head_dim)
+        keys, values = (k, v) if cache is None else call(cache.update, k, v, self.layer_idx)
         norm = layer.post_attention_layernorm
-        return kernels.layer_rest(q, keys.contiguous(), values.contiguous(), self.scaling, hidden, norm.weight,
-                                  norm.variance_epsilon, rest)
+        return call(kernels.layer_rest, q, keys.contiguous(), values.contiguous(), self.scaling, hidden, norm.weight,
+                    norm.variance_epsilon, rest)
 
     def _rotary_bf16(self, position_embeddings):
         if self._rotary[0] is not position_embeddings:
@@ -262,6 +268,31 @@ def _fuse(model: nn.Module, max_rows: int | None, kinds: tuple) -> int:
 def fused_layers(model: nn.Module) -> int:
     """How many of `model`'s decoder layers [`fuse_draft_layers`] or [`fuse_target_layers`] routed."""
     return sum(isinstance(getattr(m, "forward", None), FusedDecoderStep) for m in model.modules())
+
+
+@contextlib.contextmanager
+def timed_kernels(model: nn.Module, clock=time.perf_counter):
+    """Within the block, every routed layer of `model` adds the seconds of its calls to the dict it yields, keyed
+    "layer_qkv" (RMSNorm, q/k/v, rotary), "update" (transformers' cache update) and "layer_rest" (attention, o_proj,
+    the MLP, the residuals), summed over the layers: the split that module hooks cannot see (no module inside a
+    fused layer is called). `clock` must wait for the device's work ([`costs.device_clock`]); the caller clears
+    the dict between forwards."""
+    spent: dict[str, float] = {}
+
+    def timed(function, *args):
+        start = clock()
+        out = function(*args)
+        spent[function.__name__] = spent.get(function.__name__, 0.0) + clock() - start
+        return out
+
+    steps = [m.forward for m in model.modules() if isinstance(getattr(m, "forward", None), FusedDecoderStep)]
+    for step in steps:
+        step._call = timed
+    try:
+        yield spent
+    finally:
+        for step in steps:
+            step._call = _untimed
 
 
 @contextlib.contextmanager
