@@ -22,6 +22,8 @@ tokenizer's own corpus. Pass `token_ids` to keep another set (a ranking counted 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -72,15 +74,19 @@ def frequent_token_ids(vocab_size: int, size: int, always: list[int] | tuple[int
     return keep.nonzero().flatten()
 
 
-def reduce_draft_vocabulary(model: nn.Module, size: int | None = None, *, tokenizer=None,
-                            token_ids: torch.Tensor | None = None) -> nn.Module:
-    """Replace `model`'s LM head, in place, by a [`ReducedVocabHead`] over `token_ids`, or over the `size` ids of
-    [`frequent_token_ids`] (the special tokens of `tokenizer` included). Call it before quantizing the draft:
-    the kept rows are an `nn.Linear` that the quantization converts like any other. Returns the model."""
+def reduced_head(model: nn.Module, size: int | None = None, *, tokenizer=None,
+                 token_ids: torch.Tensor | None = None) -> ReducedVocabHead:
+    """A [`ReducedVocabHead`] over `token_ids`, or over the `size` ids of [`frequent_token_ids`] (the special tokens
+    of `tokenizer` included), made from `model`'s LM head as it is now; `model` is left as it is. From an
+    `nn.Linear`, its rows as an `nn.Linear` (quantize it as the draft's others); from a quantized layer that
+    selects its outputs (`select_outputs`: pacer's int4 layer), its rows with the same codes: the kept logits are
+    then bitwise the full head's."""
     head = model.get_output_embeddings()
-    if type(head) is not nn.Linear:
-        raise ValueError(f"reduce_draft_vocabulary needs the draft's LM head as an nn.Linear (before quantization), "
-                         f"got {type(head).__name__}")
+    if isinstance(head, ReducedVocabHead):
+        raise ValueError(f"the draft's LM head already computes {head.token_ids.numel()} tokens only; reduce the full head")
+    if type(head) is not nn.Linear and not hasattr(head, "select_outputs"):
+        raise ValueError(f"a reduced draft vocabulary needs the draft's LM head as an nn.Linear (before quantization) "
+                         f"or a layer that selects its outputs (pacer's int4 kernel), got {type(head).__name__}")
     vocab_size = head.out_features
     if (size is None) == (token_ids is None):
         raise ValueError("pass either size (the most frequent tokens) or token_ids (the tokens to keep)")
@@ -91,16 +97,44 @@ def reduce_draft_vocabulary(model: nn.Module, size: int | None = None, *, tokeni
     token_ids = torch.as_tensor(token_ids, dtype=torch.long).unique()  # sorted, each once
     if token_ids.numel() == 0 or int(token_ids[0]) < 0 or int(token_ids[-1]) >= vocab_size:
         raise ValueError(f"token_ids must be a non-empty set of ids in 0..{vocab_size - 1}")
-    proj = nn.Linear(head.in_features, token_ids.numel(), bias=head.bias is not None,
-                     dtype=head.weight.dtype, device=head.weight.device)
-    with torch.no_grad():
-        proj.weight.copy_(head.weight[token_ids])
-        if head.bias is not None:
-            proj.bias.copy_(head.bias[token_ids])
-    model.set_output_embeddings(ReducedVocabHead(proj, token_ids.to(head.weight.device), vocab_size))
+    if type(head) is nn.Linear:
+        proj = nn.Linear(head.in_features, token_ids.numel(), bias=head.bias is not None,
+                         dtype=head.weight.dtype, device=head.weight.device)
+        with torch.no_grad():
+            proj.weight.copy_(head.weight[token_ids])
+            if head.bias is not None:
+                proj.bias.copy_(head.bias[token_ids])
+        device = head.weight.device
+    else:
+        proj = head.select_outputs(token_ids)
+        device = next(proj.buffers()).device
+    return ReducedVocabHead(proj, token_ids.to(device), vocab_size)
+
+
+def reduce_draft_vocabulary(model: nn.Module, size: int | None = None, *, tokenizer=None,
+                            token_ids: torch.Tensor | None = None) -> nn.Module:
+    """Replace `model`'s LM head, in place, by a [`ReducedVocabHead`] over `token_ids`, or over the `size` ids of
+    [`frequent_token_ids`] (the special tokens of `tokenizer` included). Call it before quantizing the draft:
+    the kept rows are an `nn.Linear` that the quantization converts like any other. Returns the model."""
+    head = model.get_output_embeddings()
+    if type(head) is not nn.Linear:
+        raise ValueError(f"reduce_draft_vocabulary needs the draft's LM head as an nn.Linear (before quantization), "
+                         f"got {type(head).__name__}")
+    model.set_output_embeddings(reduced_head(model, size, tokenizer=tokenizer, token_ids=token_ids))
     # the embedding keeps the full table; the head no longer shares its storage
     model.config.get_text_config(decoder=True).tie_word_embeddings = False
     return model
+
+
+@contextlib.contextmanager
+def output_head(model: nn.Module, head: nn.Module):
+    """Within the block, `model`'s LM head is `head` (e.g. a [`reduced_head`] of it); its own again after."""
+    own = model.get_output_embeddings()
+    model.set_output_embeddings(head)
+    try:
+        yield model
+    finally:
+        model.set_output_embeddings(own)
 
 
 def kept_tokens(model: nn.Module) -> int | None:

@@ -601,4 +601,39 @@ def test_draft_window_methods_give_the_targets_output_and_are_not_replayed(setup
     main(["replay", str(tmp_path / "t.safetensors"), "--head", str(tmp_path / "head"), "--methods", "pacer*",
           "--out", str(tmp_path / "r")])
     replayed = {r["method"] for r in json.loads((tmp_path / "r" / "replay.json").read_text())["rows"]}
-    assert "pacer" in replayed and not any(name.startswith("pacer-window") for name in replayed)
+    assert "pacer" in replayed and not any(name.startswith("pacer-window") or "vocab" in name for name in replayed)
+
+
+def test_draft_vocab_methods_swap_in_their_head_and_give_the_targets_output(setup, capsys):
+    """pacer-vocab-N (and with a window of 128): opt-in, the head's default rule with the draft's LM head over N
+    tokens, built by the run (`reduced_head`) and swapped in for the call only; the target's greedy output. Asked
+    with --draft-vocab (a draft already reduced), refused before anything loads."""
+    from modeling_pacer.benchmarks.cli import main
+    from modeling_pacer.benchmarks.methods import DRAFT_VOCABS
+    from modeling_pacer.draft_vocab import kept_tokens, reduced_head
+
+    costs = CostModel({n: 1.0 + 0.01 * n for n in range(1, 20)}, 0.3)
+    methods = all_methods(head_config=setup.head.config, costs=costs)
+    chosen = [methods[f"pacer-vocab-{n}"] for n in DRAFT_VOCABS] + [methods[f"pacer-window-128-vocab-{n}"] for n in DRAFT_VOCABS]
+    assert all(m.draft_vocab in DRAFT_VOCABS and m.opt_in for m in chosen)
+    assert chosen[-1].draft_window == 128 and chosen[0].draft_window == 0
+    assert not any(m.draft_vocab for m in select_methods(None, methods))
+    dataset, prompt_id, ids = setup.prompts[1]
+    draft = setup.pair.draft
+    with pytest.raises(ValueError, match="reduced LM head"):
+        run_method(chosen[0], setup.pair.target, draft, setup.head, ids, NEW)
+    plain = setup.pair.target.generate(ids, max_new_tokens=NEW, do_sample=False)
+    own = draft.get_output_embeddings()
+    method = dataclasses.replace(chosen[0], draft_head=reduced_head(draft, token_ids=torch.arange(0, VOCAB, 2)[:48]))
+    seen = []
+    hook = draft.register_forward_hook(lambda module, args, out: seen.append(kept_tokens(module)))
+    try:
+        sequences, stats = run_method(method, setup.pair.target, draft, setup.head, ids, NEW)
+    finally:
+        hook.remove()
+    assert torch.equal(sequences, plain) and sum(s.drafted for s in stats.steps) > 0
+    assert seen and set(seen) == {48}  # every draft forward ran the reduced head
+    assert draft.get_output_embeddings() is own
+    with pytest.raises(SystemExit):
+        main(["run", "--draft-vocab", "64", "--methods", "target", "pacer-vocab-*", "--out", "unused"])
+    assert "leave out --draft-vocab 64" in capsys.readouterr().err

@@ -11,9 +11,12 @@ from modeling_pacer.draft_vocab import (
     ReducedVocabHead,
     frequent_token_ids,
     kept_tokens,
+    output_head,
     reduce_draft_vocabulary,
+    reduced_head,
     special_token_ids,
 )
+from modeling_pacer.cpu import kernels
 from modeling_pacer.cpu.quantization import Int4Linear, quantize_linears
 
 from conftest import VOCAB, make_head, make_model, make_pair, word_tokenizer
@@ -160,3 +163,36 @@ def test_load_draft_reduces_then_quantizes(tmp_path):
     with pytest.raises(ValueError, match="needs the tokenizer"):
         load_draft(str(tmp_path / "draft"), torch.float32, None, draft_vocab=32)
     assert isinstance(load_draft(str(tmp_path / "draft"), torch.float32).get_output_embeddings(), nn.Linear)
+
+
+@pytest.mark.skipif(not kernels.available(), reason=f"pacer's kernels: {kernels.unavailable_reason()}")
+@torch.no_grad()
+def test_a_head_reduced_after_quantizing_is_the_one_reduced_before():
+    """`reduced_head` of a draft already on pacer's int4 kernel (what `pacer-bench run`'s `pacer-*vocab-*` methods
+    swap in, `output_head`) computes the kept tokens with the full head's codes: bitwise the head that reducing
+    before quantizing makes (load_pair's `draft_vocab`), and the draft's own head is back after the block."""
+    before = make_model("qwen2", seed=3, hidden=64, vocab=112).to(torch.bfloat16)
+    after = make_model("qwen2", seed=3, hidden=64, vocab=112).to(torch.bfloat16)
+    keep = torch.tensor([0, 3, 5, *range(20, 45), 60, 61, 62, 111])  # 32 tokens, not one tile of 16 outputs
+    reduce_draft_vocabulary(before, token_ids=keep)
+    quantize_linears(before, "int4", int4_kernel="pacer")
+    quantize_linears(after, "int4", int4_kernel="pacer")
+    own = after.get_output_embeddings()
+    reduced = reduced_head(after, token_ids=keep)
+    assert isinstance(reduced.proj, Int4Linear) and reduced.proj.out_features == 32
+    ids = torch.tensor([[3, 9, 27, 100, 4]])
+    with output_head(after, reduced):
+        logits = after(ids).logits
+        assert kept_tokens(after) == 32
+    assert torch.equal(logits, before(ids).logits)
+    assert after.get_output_embeddings() is own and kept_tokens(after) is None
+    # and the kept rows are the full head's rows, bit for bit
+    hidden = torch.randn(3, 64, dtype=torch.bfloat16)
+    assert torch.equal(reduced.proj(hidden), own(hidden)[:, keep])
+    with pytest.raises(ValueError, match="already computes 32 tokens"):
+        reduced_head(before, token_ids=keep)
+    with pytest.raises(ValueError, match="a multiple of 16"):
+        reduced_head(after, token_ids=keep[:20])
+    torch_kernel = quantize_linears(make_model("qwen2", seed=3, hidden=64, vocab=112), "int4")
+    with pytest.raises(ValueError, match="kernel='torch'"):
+        reduced_head(torch_kernel, token_ids=keep)

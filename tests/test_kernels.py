@@ -418,3 +418,15 @@ def test_bias_and_bf16_output_are_torch_rounding():
             matmul(rows, *parts, 48, None, torch.float16)
         with pytest.raises(ValueError, match="bias must be"):
             matmul(rows, *parts, 48, bias.double())
+
+
+def test_unpack_int4_reads_back_what_pack_int4_packed():
+    """`kernels.unpack_int4` (a reduced draft head's rows read back from the packing) is `pack_int4`'s inverse."""
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (48, 96), generator=g)
+    scales, zeros = torch.randn(48, 3, generator=g), torch.randn(48, 3, generator=g)
+    packed, scales_zeros = kernels.pack_int4(codes, scales, zeros)
+    back = kernels.unpack_int4(packed, scales_zeros)
+    assert torch.equal(back[0].long(), codes)
+    assert torch.equal(back[1], scales.to(torch.bfloat16)) and torch.equal(back[2], zeros.to(torch.bfloat16))
+    assert all(torch.equal(a, b) for a, b in zip(kernels.pack_int4(*back), (packed, scales_zeros)))

@@ -301,9 +301,13 @@ def validate(args) -> None:
         # before the methods are resolved: resolving llama.cpp first asks for its library
         raise ValueError("--do-sample: the llama.cpp methods run greedy decoding only; leave them out of --methods.")
     if args.command in ("run", "replay"):
-        chosen = [m.name for m in select_methods(args.methods, all_methods(tuple(args.gammas)))]  # unknown: an error
-        if args.command == "run" and "target" not in chosen:
+        chosen = select_methods(args.methods, all_methods(tuple(args.gammas)))  # unknown: an error
+        if args.command == "run" and "target" not in [m.name for m in chosen]:
             raise ValueError("--methods must include 'target': every speedup is relative to the target alone.")
+        vocab = [m.name for m in chosen if m.draft_vocab]
+        if vocab and getattr(args, "draft_vocab", None):
+            raise ValueError(f"{vocab} reduce the draft's full LM head in the run: leave out --draft-vocab "
+                             f"{args.draft_vocab}, or those methods")
     if args.command == "agreement" and not args.quantize_target:
         raise ValueError("agreement compares a quantized target with its bf16 form: pass --quantize-target int4 "
                          "(or int4+int8, w4a8)")
@@ -337,7 +341,7 @@ def validate(args) -> None:
             except ValueError as error:
                 raise ValueError(f"--dtypes: {error} (or one of {sorted(TARGET_QUANTIZATIONS)})") from None
     if args.command == "run":
-        if {"llama.cpp", "llama.cpp-lookup"} & set(chosen):  # the target's GGUF file, found before a model loads
+        if {"llama.cpp", "llama.cpp-lookup"} & {m.name for m in chosen}:  # the target's GGUF file, found before a model loads
             from .llamacpp import check_target_args
 
             check_target_args(args)
@@ -427,6 +431,7 @@ def run(args) -> dict:
     longest = head.config.max_draft_length if head is not None else 16  # the cost-aware rules' longest draft
     costs = host_costs(pair.target, pair.draft, head, max_tokens=max(args.oracle_max_draft, longest) + 1, check=True)
     methods = _available_methods(args, head, costs)
+    _reduced_vocab_heads(methods, pair, head, max(args.oracle_max_draft, longest) + 1)
     prompts = _prompts(args, pair.tokenizer)
     with tqdm(total=len(prompts) * len(methods), desc="pacer-bench", unit="run") as bar:
         failures = {}
@@ -451,6 +456,23 @@ def run(args) -> dict:
         save_traces(args.record_traces, full, costs, pair=pair.name)
     _print_result(result)
     return result
+
+
+def _reduced_vocab_heads(methods, pair, head, max_tokens: int) -> None:
+    """Each `pacer-*vocab-N` method's draft LM head over N tokens, made from the draft's own (the same bits for the
+    kept tokens), and this machine's costs with that head: its cost-aware rule decides on its own draft step."""
+    from ..costs import host_costs
+    from ..draft_vocab import output_head, reduced_head
+
+    built = {}
+    for method in methods:
+        if method.draft_vocab:
+            if method.draft_vocab not in built:
+                reduced = reduced_head(pair.draft, method.draft_vocab, tokenizer=pair.tokenizer)
+                with output_head(pair.draft, reduced):
+                    costs = host_costs(pair.target, pair.draft, head, max_tokens=max_tokens, check=True)
+                built[method.draft_vocab] = reduced, costs
+            method.draft_head, method.costs = built[method.draft_vocab]
 
 
 def _rule_method(settings: dict):
@@ -497,9 +519,9 @@ def run_replay(args) -> dict:
         recorded += [(trace, given or saved.costs) for trace in saved.traces]
     head = _load_head(args.head)
     # a method that looks tokens up drafts from the live sequence, and one whose draft reads a window of the prompt
-    # drafts otherwise than the traces' draft did: neither is replayed
+    # or computes fewer tokens drafts otherwise than the traces' draft did: none is replayed
     methods = [m for m in _available_methods(args, head, announce=True)
-               if m.policy is not None and not m.lookup and not m.draft_window]
+               if m.policy is not None and not m.lookup and not m.draft_window and not m.draft_vocab]
     rules = [_rule_method(settings) for settings in args.rules]
     if head is None and any(rule.needs_head for rule in rules):
         raise ValueError(f"--rules: {[r.name for r in rules if r.needs_head]} read a head: pass --head.")

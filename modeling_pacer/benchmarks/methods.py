@@ -3,6 +3,7 @@ lookup, every stopping policy of our loop (with free drafts looked up in the seq
 plain llama.cpp on the target's GGUF, and its prompt-lookup decoding. Each method is one `generate` call on the same
 inputs."""
 
+import contextlib
 import copy
 import re
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from ..custom_generate.policies import (
     head_rule,
     make_policy,
 )
+from ..draft_vocab import output_head
 
 
 @dataclass
@@ -40,6 +42,8 @@ class Method:
     lookup: int = 0  # > 0: drafts looked up in the sequence, at most this many tokens a lookup (pacer's NgramLookup,
     # transformers' prompt_lookup_num_tokens, llama.cpp's LlamaPromptLookupDecoding num_pred_tokens)
     draft_window: int = 0  # > 0: the draft reads only the prompt's last this many tokens (pacer_draft_window)
+    draft_vocab: int = 0  # > 0: the draft's LM head computes only this many tokens (modeling_pacer.draft_vocab)
+    draft_head: object = None  # that head, built from the draft's own by the run (draft_vocab.reduced_head)
 
     def make_policy(self, costs=None) -> StoppingPolicy:
         """A fresh policy; a cost-aware one gets `costs`, else the method's own (the live run's)."""
@@ -52,8 +56,9 @@ class Method:
 
     @property
     def opt_in(self) -> bool:
-        """Chosen only when `--methods` names it: it needs an optional extra (llama.cpp), or a fused target."""
-        return self.family in ("llamacpp", "unfused")
+        """Chosen only when `--methods` names it: it needs an optional extra (llama.cpp), a fused target, or a
+        head the run builds for it (a reduced draft vocabulary)."""
+        return self.family in ("llamacpp", "unfused") or self.draft_vocab > 0
 
     @property
     def own_numerics(self) -> bool:
@@ -67,13 +72,15 @@ def _hf(name: str, **assistant_config) -> Method:
 
 
 def _ours(name: str, policy: Callable[..., StoppingPolicy], needs_head: bool = False, costs=None,
-          needs_costs: bool = False, lookup: int = 0, draft_window: int = 0) -> Method:
+          needs_costs: bool = False, lookup: int = 0, draft_window: int = 0, draft_vocab: int = 0) -> Method:
     return Method(name, "pacer", policy=policy, needs_head=needs_head, needs_costs=needs_costs, costs=costs,
-                  lookup=lookup, draft_window=draft_window)
+                  lookup=lookup, draft_window=draft_window, draft_vocab=draft_vocab)
 
 
 # prompt tokens the draft reads in the `pacer-window-*` methods
 DRAFT_WINDOWS = (32, 64, 128)
+# tokens the draft's LM head computes in the `pacer-vocab-*` methods (alone, and with a window of 128 tokens)
+DRAFT_VOCABS = (65536,)
 
 
 # tokens a lookup proposes: transformers' and llama.cpp's defaults for their prompt lookup are 10; pacer's rule
@@ -111,6 +118,13 @@ def all_methods(gammas=(1, 2, 3, 4, 5, 6), head_config=None, costs=None, do_samp
                 needs_head=True, costs=costs, draft_window=k,
                 needs_costs=head_config is not None and head_rule(head_config, do_sample)[0] == "throughput")
           for k in DRAFT_WINDOWS],
+        # the same, the draft's LM head over its most frequent tokens only: a cheaper draft step (its costs measured
+        # with that head by the run)
+        *[_ours(f"pacer{'-window-' + str(k) if k else ''}-vocab-{n}",
+                lambda *c: make_policy(None, head_config, *c, do_sample=do_sample), needs_head=True, costs=costs,
+                draft_window=k, draft_vocab=n,
+                needs_costs=head_config is not None and head_rule(head_config, do_sample)[0] == "throughput")
+          for n in DRAFT_VOCABS for k in (0, 128)],
         _ours("pacer-blocks", lambda: Pacer.from_config(head_config), needs_head=True),
         _ours("throughput", lambda c: ExpectedThroughput(c, "draft", longest), costs=costs, needs_costs=True),
         _ours("pacer-throughput", lambda c: ExpectedThroughput(c, "head", longest), needs_head=True, costs=costs,
@@ -195,7 +209,10 @@ def run_method(method: Method, target, draft, head, input_ids: torch.Tensor, max
     from ..custom_generate.generate import generate
 
     lookup = dict(max_tokens=method.lookup) if method.lookup else None
-    out = generate(target, input_ids, assistant_model=draft, stopping_policy=method.make_policy(),
-                   pacer_head=head if method.needs_head else None, pacer_lookup=lookup,
-                   pacer_draft_window=method.draft_window or None, return_dict_in_generate=True, **settings)
+    if method.draft_vocab and method.draft_head is None:
+        raise ValueError(f"{method.name} needs the draft's reduced LM head (draft_vocab.reduced_head): the run builds it")
+    with output_head(draft, method.draft_head) if method.draft_vocab else contextlib.nullcontext():
+        out = generate(target, input_ids, assistant_model=draft, stopping_policy=method.make_policy(),
+                       pacer_head=head if method.needs_head else None, pacer_lookup=lookup,
+                       pacer_draft_window=method.draft_window or None, return_dict_in_generate=True, **settings)
     return out.sequences, out.pacer_stats

@@ -129,6 +129,21 @@ class Int4Linear(nn.Module):
         return cls(codes.reshape(out_features, in_features), scales, lo + 8 * scales, linear.bias, group_size, dense_rows,
                    kernel)
 
+    def select_outputs(self, rows: torch.Tensor) -> Int4Linear:
+        """A layer over the outputs `rows` (sorted or not, a multiple of 16 of them) of this one, each computed with
+        the same codes, scales and zeros, so the same bits as here (pacer's kernel; torch's packing is not read
+        back). A draft's LM head over fewer tokens ([`modeling_pacer.draft_vocab`]) is built so after quantizing."""
+        if self.kernel != "pacer":
+            raise ValueError(f"Int4Linear.select_outputs reads pacer's packing back; this layer runs kernel={self.kernel!r}")
+        rows = torch.as_tensor(rows, dtype=torch.long)
+        if rows.dim() != 1 or rows.numel() == 0 or rows.numel() % OUT_MULTIPLE or int(rows.min()) < 0 \
+                or int(rows.max()) >= self.out_features:
+            raise ValueError(f"Int4Linear.select_outputs: rows must be a non-empty list of output indices in "
+                             f"0..{self.out_features - 1}, a multiple of {OUT_MULTIPLE} of them; got {rows.numel()}")
+        codes, scales, zeros = kernels.unpack_int4(self.packed_weight, self.scales_and_zeros)
+        bias = None if self.bias is None else self.bias[rows]
+        return Int4Linear(codes[rows], scales[rows], zeros[rows], bias, self.group_size, self.dense_rows, self.kernel)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kernels.require_cpu(x, self.packed_weight)  # torch's int4 op and pacer's kernel are both CPU-only
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()

@@ -384,6 +384,17 @@ def pack_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor):
     return packed, torch.stack([per_tile(scales), per_tile(zeros)], dim=2).contiguous().view(torch.int16)
 
 
+def unpack_int4(packed: torch.Tensor, scales_zeros: torch.Tensor):
+    """[`pack_int4`]'s inverse: (packed codes, scales and zeros) -> (codes (n, k) uint8 in 0..15, scales (n, k / 32)
+    bf16, zeros (n, k / 32) bf16), the same values the kernel reads."""
+    t, g = packed.shape[:2]
+    c = torch.cat([packed & 15, packed >> 4], dim=2)  # (t, g, 8 steps, 64 = 16 outputs x 4 inputs)
+    codes = c.reshape(t, g, 8, 16, 4).permute(0, 3, 1, 2, 4).reshape(16 * t, 32 * g)
+    sz = scales_zeros.view(torch.bfloat16).reshape(t, g, 2, 16)
+    per_output = lambda v: v.permute(0, 2, 1).reshape(16 * t, g)  # noqa: E731
+    return codes.contiguous(), per_output(sz[:, :, 0]).contiguous(), per_output(sz[:, :, 1]).contiguous()
+
+
 def pack_q8(codes: torch.Tensor, scale: torch.Tensor):
     """int8 codes (n, k) in -127..127 with one float scale per output -> (packed codes + 128 as uint8, scale), tiled
     by 16 outputs: packed[t][k / 32][8][16][4]."""
