@@ -637,3 +637,24 @@ def test_draft_vocab_methods_swap_in_their_head_and_give_the_targets_output(setu
     with pytest.raises(SystemExit):
         main(["run", "--draft-vocab", "64", "--methods", "target", "pacer-vocab-*", "--out", "unused"])
     assert "leave out --draft-vocab 64" in capsys.readouterr().err
+
+
+def test_the_run_builds_each_reduced_head_once_with_its_own_costs(setup, tmp_path, monkeypatch):
+    """`pacer-bench run` gives each pacer-*vocab-N method the draft's head over N tokens and this machine's costs
+    measured with that head (what results.json's meta.method_costs records); the draft keeps its own head."""
+    from modeling_pacer.benchmarks.cli import _reduced_vocab_heads
+    from modeling_pacer.draft_vocab import ReducedVocabHead
+
+    from conftest import word_tokenizer
+
+    monkeypatch.setenv("PACER_CACHE", str(tmp_path / "cache"))
+    methods = all_methods(head_config=setup.head.config, costs=CostModel({n: 1.0 for n in range(1, 20)}, 0.3))
+    chosen = [dataclasses.replace(methods[name], draft_vocab=48) for name in ("pacer-vocab-65536", "pacer-window-128-vocab-65536")]
+    draft = setup.pair.draft
+    own = draft.get_output_embeddings()
+    pair = SimpleNamespace(target=setup.pair.target, draft=draft, tokenizer=word_tokenizer())
+    _reduced_vocab_heads([methods["pacer"], *chosen], pair, setup.head, 4)
+    assert isinstance(chosen[0].draft_head, ReducedVocabHead) and chosen[0].draft_head.token_ids.numel() == 48
+    assert chosen[1].draft_head is chosen[0].draft_head and chosen[1].costs is chosen[0].costs  # built once
+    assert chosen[0].costs is not methods["pacer"].costs and sorted(chosen[0].costs.target_forward) == [1, 2, 3, 4]
+    assert draft.get_output_embeddings() is own and methods["pacer"].draft_head is None

@@ -445,6 +445,8 @@ def run(args) -> dict:
                 fused_target=pair.fused_target,
                 draft_vocab=args.draft_vocab, dtype=str(pair.dtype).removeprefix("torch."), exact=pair.exact,
                 costs=costs.to_dict(), torch=torch.__version__,
+                # the methods that decided on costs of their own (a reduced draft head's), by name
+                method_costs={m.name: m.costs.to_dict() for m in methods if m.draft_vocab} or None,
                 sampling=dict(temperature=args.temperature, seed=args.seed) if args.do_sample else None,
                 failed=failures or None)
     result = write_report(Path(args.out), [r.to_dict() for r in records], oracle_rows, meta)
