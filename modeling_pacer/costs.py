@@ -70,7 +70,8 @@ def measure_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
 
 
 # a fused layer's calls, as [`timed_kernels`] names them -> as a split reports them
-FUSED_PARTS = {"layer_qkv": "qkv_kernel", "update": "cache_update", "layer_rest": "rest_kernel"}
+FUSED_PARTS = {"layer_qkv": "qkv_kernel", "layer_qkv_cached": "qkv_kernel", "update": "cache_update",
+               "cache_room": "cache_update", "layer_rest": "rest_kernel"}
 
 
 def time_split(model, input_ids: torch.Tensor, tokens: int = 1, repeats: int = 5) -> dict[str, float]:
@@ -80,7 +81,8 @@ def time_split(model, input_ids: torch.Tensor, tokens: int = 1, repeats: int = 5
     activations, embeddings, rotary, the model's Python glue) and "total". Measured with forward hooks,
     whose own cost (a few microseconds per module) lands in the groups. The decoder layers of a fused model
     (modeling_pacer.cpu.fused_layers: two kernel calls a layer, no module inside them called) are split by their
-    calls instead: "qkv_kernel" (RMSNorm, q/k/v, rotary), "cache_update" (transformers' cache), "rest_kernel"
+    calls instead: "qkv_kernel" (RMSNorm, q/k/v, rotary, the cache write), "cache_update" (finding the cache's
+    buffers, or transformers' update), "rest_kernel"
     (attention, o_proj, the MLP), summed over the layers; "linear" is then what runs outside them (the LM head),
     and "fused" is 1.0 (else 0.0)."""
     clock = device_clock(*model_devices(model))  # on a GPU every hook waits for the work before it
@@ -123,7 +125,9 @@ def _time_split(model, input_ids: torch.Tensor, tokens: int, repeats: int, clock
             model_forward(model, input_ids[:, -1:].repeat(1, tokens), cache, tokens)
             total = clock() - t0
             crop_cache(cache, prefix)
-            fused = {name: kernel_spent.get(call, 0.0) for call, name in FUSED_PARTS.items()}
+            fused = dict.fromkeys(FUSED_PARTS.values(), 0.0)
+            for call, name in FUSED_PARTS.items():
+                fused[name] += kernel_spent.get(call, 0.0)
             samples.append(dict(spent, **fused, total=total,
                                 other=total - spent["linear"] - spent["attention"] - sum(fused.values())))
     finally:

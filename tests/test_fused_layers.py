@@ -17,6 +17,7 @@ from modeling_pacer import FixedLength, enable_pacer
 from modeling_pacer.cpu.fused_layers import (
     MAX_ROWS, FusedDecoderStep, FusedModelStep, eager_layers, fuse_draft_layers, fuse_target_layers, fused_layers, _untimed,
 )
+from modeling_pacer.cpu import fused_layers as fused_layers_module
 from modeling_pacer.cpu.quantization import W4A8Linear, W8A8Linear, quantize_linears
 from modeling_pacer.exact import make_exact
 
@@ -25,6 +26,16 @@ from test_quantization import _tiny_qwen2
 from test_sampling import _chi_square_p_value
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"pacer's kernels: {kernels.unavailable_reason()}")
+
+
+def _count_qkv_calls(monkeypatch, calls: list, record=lambda hidden: 1) -> None:
+    """Append `record(hidden)` to `calls` for every layer whose q/k/v a kernel computes: [`kernels.layer_qkv`] (no
+    cache), [`kernels.layer_qkv_cached`] (writing into a DynamicCache's buffers), once a layer for
+    [`kernels.decoder_layers`] (every layer of a model step in one call)."""
+    for name in ("layer_qkv", "layer_qkv_cached"):
+        monkeypatch.setattr(kernels, name, lambda *a, _f=getattr(kernels, name): calls.append(record(a[0])) or _f(*a))
+    monkeypatch.setattr(kernels, "decoder_layers",
+                        lambda *a, _f=kernels.decoder_layers: calls.extend([record(a[0])] * len(a[-3])) or _f(*a))
 
 
 def _int4_draft(seed: int = 0, arch: str = "qwen2"):
@@ -89,7 +100,7 @@ def test_other_calls_run_the_eager_layer(monkeypatch):
     fused = copy.deepcopy(eager)
     fuse_draft_layers(fused)
     calls = []
-    monkeypatch.setattr(kernels, "layer_qkv", lambda *a, _f=kernels.layer_qkv: calls.append(1) or _f(*a))
+    _count_qkv_calls(monkeypatch, calls)
     ids = torch.randint(0, eager.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(2))
     prompt = torch.randint(0, eager.config.vocab_size, (1, MAX_ROWS + 1), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
@@ -118,7 +129,7 @@ def test_steps_read_the_projections_current_buffers(monkeypatch):
     fuse_draft_layers(fused)
     ids = torch.randint(0, fused.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(6))
     calls = []
-    monkeypatch.setattr(kernels, "layer_qkv", lambda *a, _f=kernels.layer_qkv: calls.append(1) or _f(*a))
+    _count_qkv_calls(monkeypatch, calls)
 
     def step_logits(model):
         cache = DynamicCache(config=model.config)
@@ -158,9 +169,10 @@ def test_only_int4_kernel_layers_of_known_architectures_are_routed():
 
 def test_the_model_step_is_the_layers_step(monkeypatch):
     """With every layer routed, the model's own forward is routed too (FusedModelStep): a decoding step of 1 to
-    MAX_ROWS tokens without hidden states asked for gives bitwise the logits and cache of the same step through the
-    model's forward over the routed layers; a prompt (empty cache), hidden states, a padded mask, position ids and
-    gradients go through the model's forward."""
+    MAX_ROWS tokens without hidden states asked for (position ids only those after the cache, as plain generate hands
+    them) gives bitwise the logits and cache of the same step through the model's forward over the routed layers; a
+    prompt (empty cache), hidden states, a padded mask, other position ids and gradients go through the model's
+    forward."""
     fused = _int4_draft(seed=5)
     before = describe_model(fused)
     fuse_draft_layers(fused)
@@ -194,10 +206,78 @@ def test_the_model_step_is_the_layers_step(monkeypatch):
         padded[0, 0] = 0
         fused(ids[:, 7:8], past_key_values=cache, attention_mask=padded)
         assert taken[-1] is False
-        fused(ids[:, 8:9], past_key_values=cache, position_ids=torch.tensor([[8]]))
+        fused(ids[:, 8:9], past_key_values=cache, position_ids=torch.tensor([[20]]))  # not the positions after the cache
         assert taken[-1] is False
+        cache.crop(-1)
+        fused(ids[:, 8:9], past_key_values=cache, position_ids=torch.tensor([[8]]), return_dict=True)  # plain generate's
+        assert taken[-1] is True
     fused(ids[:, 9:10], past_key_values=cache)
     assert taken[-1] is False  # gradients on
+
+
+@pytest.mark.parametrize("kind", ["int4-draft", "w4a8-target"])
+def test_one_kernel_call_for_all_layers_is_the_layers_calls(monkeypatch, kind):
+    """A model step runs every decoder layer in one kernel call (kernels.decoder_layers), each layer's new keys and
+    values written in place into its cache buffers: bitwise the logits and caches of the same steps layer by layer,
+    over steps of several sizes, a crop (a rejected draft) and buffers outgrown (their room made small here)."""
+    monkeypatch.setattr(fused_layers_module, "ROOM", 3)
+    model = _int4_draft(seed=3) if kind == "int4-draft" else _w4a8_target(seed=3)
+    (fuse_draft_layers if kind == "int4-draft" else fuse_target_layers)(model)
+    step = model.forward
+    assert isinstance(step, FusedModelStep) and step._one_call
+    calls = []
+    monkeypatch.setattr(kernels, "decoder_layers", lambda *a, _f=kernels.decoder_layers: calls.append(1) or _f(*a))
+    ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(4))
+    caches = [DynamicCache(config=model.config) for _ in range(2)]
+    with torch.no_grad():
+        for cache in caches:
+            model(ids[:, :6], past_key_values=cache)
+        position = 6
+        for rows, drop in ((1, 0), (2, 1), (MAX_ROWS, 3), (1, 0), (3, 2), (1, 0), (MAX_ROWS, 0)):
+            logits = []
+            for one_call, cache in zip((True, False), caches):
+                step._one_call = one_call
+                logits.append(model(ids[:, position:position + rows], past_key_values=cache).logits)
+                cache.crop(-drop)
+            assert torch.equal(*logits), (rows, drop)
+            position += rows - drop
+            for a, b in zip(caches[0].layers, caches[1].layers):
+                assert a.keys.shape[2] == position and torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    assert len(calls) == 7  # once a step, with the one call on
+    # the keys a step wrote are the first positions of the layer's buffers, not a copy of them
+    layer = caches[0].layers[0]
+    assert layer.keys.data_ptr() == layer._pacer_room[0].data_ptr()
+
+
+def test_a_cache_room_is_the_layers_buffers_kept_while_they_hold_it():
+    """cache_room hands back a layer's buffers while its keys and values are their first positions (after a step, after
+    a crop) and room is left; a fresh layer, one that transformers' update concatenated since, or one whose buffers are
+    full gets new ones holding what it held."""
+    from transformers.cache_utils import DynamicLayer
+
+    from modeling_pacer.cpu.fused_layers import cache_room
+
+    layer = DynamicLayer()
+    keys, values, held = cache_room(layer, 2, kv_heads=2, head_dim=16)
+    assert held == 0 and keys.shape == values.shape == (1, 2, 2 + fused_layers_module.ROOM, 16)
+    new = torch.randn(1, 2, 2, 16, generator=torch.Generator().manual_seed(0)).bfloat16()
+    keys[:, :, :2], values[:, :, :2] = new, -new
+    layer.keys, layer.values = keys[:, :, :2], values[:, :, :2]
+    same = cache_room(layer, 1, 2, 16)
+    assert same[0] is keys and same[1] is values and same[2] == 2
+    layer.crop(-1)
+    again = cache_room(layer, 1, 2, 16)
+    assert again[0] is keys and again[1] is values and again[2] == 1
+    layer.update(new, new)  # transformers' own update: a concatenated tensor, no longer the buffers
+    moved = cache_room(layer, 1, 2, 16)
+    assert moved[0] is not keys and moved[2] == 3
+    assert torch.equal(moved[0][:, :, :3], torch.cat([new[:, :, :1], new], dim=2))
+    full = DynamicLayer()
+    keys, values, _ = cache_room(full, 1, 2, 16)
+    keys.copy_(torch.randn(keys.shape, generator=torch.Generator().manual_seed(1)))
+    full.keys, full.values = keys, values  # every position held: no room for another
+    grown = cache_room(full, 1, 2, 16)
+    assert grown[2] == keys.shape[2] and grown[0].shape[2] > keys.shape[2] and torch.equal(grown[0][:, :, :grown[2]], keys)
 
 
 def test_the_kernels_are_torch_operators_a_draft_step_compiles_through():
@@ -285,7 +365,7 @@ def test_a_target_runs_every_call_on_the_kernels_each_row_alone(monkeypatch):
     assert fuse_target_layers(fused) == 2 == fused_layers(fused)
     assert isinstance(fused.forward, FusedModelStep) and fused._pacer_exact == "rows-alone"
     calls = []
-    monkeypatch.setattr(kernels, "layer_qkv", lambda *a, _f=kernels.layer_qkv: calls.append(a[0].shape[0]) or _f(*a))
+    _count_qkv_calls(monkeypatch, calls, lambda hidden: hidden.shape[0])
     ids = torch.randint(0, 96, (1, 48), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
         steps_cache = DynamicCache(config=fused.config)
@@ -324,7 +404,7 @@ def test_a_fused_target_leaves_what_it_cannot_take_to_the_eager_layer(monkeypatc
     fused = copy.deepcopy(eager)
     fuse_target_layers(fused)
     calls = []
-    monkeypatch.setattr(kernels, "layer_qkv", lambda *a, _f=kernels.layer_qkv: calls.append(1) or _f(*a))
+    _count_qkv_calls(monkeypatch, calls)
     ids = torch.randint(0, 96, (2, 6), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         assert torch.equal(fused(ids).logits, eager(ids).logits)
@@ -359,6 +439,36 @@ def test_pacer_greedy_equals_the_fused_w4a8_target():
                 assert out.sequences.tolist() == expected.tolist(), (n, new, policy)
                 drafted += sum(s.drafted for s in out.pacer_stats.steps)
     assert drafted > 0
+
+
+def test_the_layerwise_methods_are_their_methods_with_each_layer_called(monkeypatch):
+    """pacer-bench's target-layerwise and pacer-layerwise (fused_layers.layer_by_layer): the same tokens as target
+    and pacer, no one-call kernel inside the block, the one call back after it (and after an error in it)."""
+    from modeling_pacer.benchmarks.methods import all_methods, run_method
+    from modeling_pacer.cpu.fused_layers import layer_by_layer
+
+    target = _w4a8_target(seed=1)
+    fuse_target_layers(target)
+    draft = _noisy_draft(target_seed=1)
+    calls = []
+    monkeypatch.setattr(kernels, "decoder_layers", lambda *a, _f=kernels.decoder_layers: calls.append(1) or _f(*a))
+    methods = all_methods()
+    methods["pacer"].policy = methods["pacer-layerwise"].policy = lambda *c: FixedLength(3)  # no head here
+    methods["pacer"].needs_head = methods["pacer-layerwise"].needs_head = False
+    ids = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(5))
+    for name in ("target", "pacer"):
+        calls.clear()
+        expected, _ = run_method(methods[name], target, draft, None, ids, 20)
+        assert calls, name  # the one call
+        calls.clear()
+        layerwise, _ = run_method(methods[f"{name}-layerwise"], target, draft, None, ids, 20)
+        assert calls == [] and layerwise.tolist() == expected.tolist(), name
+    assert target.forward._one_call and draft.forward._one_call
+    with pytest.raises(RuntimeError):
+        with layer_by_layer(target, draft, None):
+            assert not target.forward._one_call and not draft.forward._one_call
+            raise RuntimeError
+    assert target.forward._one_call and draft.forward._one_call
 
 
 RUNS = 1500
@@ -456,5 +566,5 @@ def test_a_split_of_a_fused_model_times_its_kernel_calls():
         cache.crop(-1)
         with timed_kernels(model) as spent:
             timed = model(ids[:, -1:], past_key_values=cache, use_cache=True).logits
-        assert set(spent) == {"layer_qkv", "update", "layer_rest"}
+        assert set(spent) == {"cache_room", "layer_qkv_cached", "layer_rest"}
     assert torch.equal(untimed, timed)

@@ -6,7 +6,7 @@ inputs."""
 import contextlib
 import copy
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -44,6 +44,7 @@ class Method:
     draft_window: int = 0  # > 0: the draft reads only the prompt's last this many tokens (pacer_draft_window)
     draft_vocab: int = 0  # > 0: the draft's LM head computes only this many tokens (modeling_pacer.draft_vocab)
     draft_head: object = None  # that head, built from the draft's own by the run (draft_vocab.reduced_head)
+    layerwise: bool = False  # fused models call their layers' kernels one layer at a time (fused_layers.layer_by_layer)
 
     def make_policy(self, costs=None) -> StoppingPolicy:
         """A fresh policy; a cost-aware one gets `costs`, else the method's own (the live run's)."""
@@ -58,7 +59,7 @@ class Method:
     def opt_in(self) -> bool:
         """Chosen only when `--methods` names it: it needs an optional extra (llama.cpp), a fused target, or a
         head the run builds for it (a reduced draft vocabulary)."""
-        return self.family in ("llamacpp", "unfused") or self.draft_vocab > 0
+        return self.family in ("llamacpp", "unfused") or self.draft_vocab > 0 or self.layerwise
 
     @property
     def own_numerics(self) -> bool:
@@ -100,6 +101,9 @@ def all_methods(gammas=(1, 2, 3, 4, 5, 6), head_config=None, costs=None, do_samp
         # opt-in: a fused target (load_pair's default for w4a8) alone on transformers' eager layers over the same
         # kernels, the step fusing saves; its numbers are the eager layers'
         Method("target-unfused", "unfused"),
+        # opt-in: the target alone and PACER (its costs, its decisions) with the fused models' layers called one at a
+        # time: the same tokens and work as `target` / `pacer`, what running every layer in one kernel call saves
+        Method("target-layerwise", "target", layerwise=True),
         _hf("hf-assisted"),  # transformers' defaults: 20 tokens, confidence threshold 0.4
         _hf("hf-heuristic", num_assistant_tokens_schedule="heuristic", assistant_confidence_threshold=0.0),
         *[_hf(f"hf-constant-{g}", num_assistant_tokens=g, num_assistant_tokens_schedule="constant",
@@ -125,6 +129,9 @@ def all_methods(gammas=(1, 2, 3, 4, 5, 6), head_config=None, costs=None, do_samp
                 draft_window=k, draft_vocab=n,
                 needs_costs=head_config is not None and head_rule(head_config, do_sample)[0] == "throughput")
           for n in DRAFT_VOCABS for k in (0, 128)],
+        replace(_ours("pacer", lambda *c: make_policy(None, head_config, *c, do_sample=do_sample), needs_head=True,
+                      costs=costs, needs_costs=head_config is not None and head_rule(head_config, do_sample)[0] == "throughput"),
+                name="pacer-layerwise", layerwise=True),
         _ours("pacer-blocks", lambda: Pacer.from_config(head_config), needs_head=True),
         _ours("throughput", lambda c: ExpectedThroughput(c, "draft", longest), costs=costs, needs_costs=True),
         _ours("pacer-throughput", lambda c: ExpectedThroughput(c, "head", longest), needs_head=True, costs=costs,
@@ -188,6 +195,12 @@ def run_method(method: Method, target, draft, head, input_ids: torch.Tensor, max
         if runner is None:
             raise ValueError("the llama.cpp method needs a LlamaCppRunner (run_live builds one when it is selected)")
         return runner.generate(input_ids, max_new_tokens), None
+    if method.layerwise:
+        from ..cpu.fused_layers import layer_by_layer
+
+        with layer_by_layer(target, draft):
+            return run_method(replace(method, layerwise=False), target, draft, head, input_ids, max_new_tokens,
+                              llamacpp, sampling)
     if method.family == "target":
         return GenerationMixin.generate(target, input_ids, **settings), None
     if method.family == "unfused":

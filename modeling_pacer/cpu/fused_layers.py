@@ -4,13 +4,14 @@ transformers' eager decoder layer runs some forty small torch operators per toke
 rotary embeddings, reshapes, the MLP's activation), each a few microseconds of dispatch and allocation: over a
 0.5B draft's 24 layers that is about as much time as reading its int4 weights, and over a 1.5B target's 28 layers
 a sixth of a step. A routed layer's forwards go through pacer's kernels instead ([`kernels.layer_qkv`]: RMSNorm,
-the q/k/v projections, rotary embeddings; transformers' own cache update; [`kernels.layer_rest`]: causal attention
-over the cache, o_proj, the residual, RMSNorm, the SiLU-gated MLP and its residual), each weight read once for all
-the rows. Intermediates are rounded to bf16 where the eager layer rounds them, so the numbers stay close to the eager
+the q/k/v projections, rotary embeddings, the new keys and values written in place into the cache ([`cache_room`]);
+[`kernels.layer_rest`]: causal attention over the cache, o_proj, the residual, RMSNorm, the SiLU-gated MLP and its
+residual), each weight read once for all the rows. Intermediates are rounded to bf16 where the eager layer rounds them, so the numbers stay close to the eager
 layer's (not bitwise: the norm's float sum and the SiLU's exp run in another order); each row is computed alone,
 so a call of several tokens gives bitwise what one-token calls give. Once every layer is routed, the model's own
-forward is too ([`FusedModelStep`]): a decoding step then runs embedding, the layers' kernels, the norm and the LM
-head in one function.
+forward is too ([`FusedModelStep`]): a decoding step then runs embedding, every layer in one kernel call
+([`kernels.decoder_layers`]: the two calls a layer, looped in C++, the bits of the calls layer by layer), the norm and
+the LM head in one function.
 
 A draft ([`fuse_draft_layers`]) routes its decoding steps (1 to `MAX_ROWS` tokens): its numbers change which tokens
 it proposes, never the output. A target ([`fuse_target_layers`]) routes every call of one sequence over a dynamic
@@ -40,6 +41,10 @@ _REST = (("self_attn", "o_proj"), ("mlp", "gate_proj"), ("mlp", "up_proj"), ("ml
 # the most new tokens a draft's call routes (a decoding step: 1; the catch-up after a verification: 2): the kernels
 # read each weight once for up to 8 rows; longer calls (a prompt) run the eager layer, whose int4 layers may go dense
 MAX_ROWS = 8
+# a DynamicLayer's keys and values, once a routed layer writes them, are the first positions of buffers with room for
+# this many more (or a quarter more, past a long prompt): a step writes its rows in place where transformers' update
+# would concatenate the whole cache anew, two copies of it a layer a step
+ROOM = 256
 # a projection's kind as the kernels read it, and the names of its buffers: packed weight, first scales, Q4_K minima
 # and super-scales, float bias
 _BUFFERS = {
@@ -51,6 +56,35 @@ _BUFFERS = {
 
 def _untimed(function, *args):
     return function(*args)
+
+
+def cache_room(layer: DynamicLayer, rows: int, kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Buffers `(keys, values)`, (1, `kv_heads`, capacity, `head_dim`) bf16, whose first positions are what the cache
+    layer holds, with room for `rows` more, and how many it holds. The buffers a previous call made are handed back
+    while the layer's tensors are still their first positions (a step, or a crop: `crop` keeps a view); anything
+    else (a first call, a layer that transformers' own update concatenated since, another dtype) gets new ones,
+    the held positions copied in. The caller writes the new rows at the held position and sets the layer's
+    `keys`/`values` to the buffers' first held + rows positions."""
+    if not layer.is_initialized:
+        layer.lazy_initialization(*(torch.empty(1, kv_heads, 0, head_dim, dtype=torch.bfloat16),) * 2)
+    keys, values = layer.keys, layer.values
+    held = layer.get_seq_length()
+    room = getattr(layer, "_pacer_room", None)
+    if room is not None:
+        k_buffer, v_buffer = room
+        if (held + rows <= k_buffer.shape[2] and keys.data_ptr() == k_buffer.data_ptr()
+                and values.data_ptr() == v_buffer.data_ptr() and keys.stride() == k_buffer.stride()
+                and values.stride() == v_buffer.stride() and keys.dtype == k_buffer.dtype
+                and values.dtype == v_buffer.dtype):
+            return k_buffer, v_buffer, held
+    need = held + rows
+    shape = (1, kv_heads, need + max(ROOM, need // 4), head_dim)
+    k_buffer, v_buffer = torch.empty(shape, dtype=torch.bfloat16), torch.empty(shape, dtype=torch.bfloat16)
+    if held:
+        k_buffer[:, :, :held].copy_(keys)
+        v_buffer[:, :, :held].copy_(values)
+    layer._pacer_room = (k_buffer, v_buffer)
+    return k_buffer, v_buffer, held
 
 
 def rotary_tables(position_embeddings, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,6 +105,7 @@ class FusedDecoderStep:
         self.layer_idx, self.scaling, self.head_dim = attention.layer_idx, float(attention.scaling), attention.head_dim
         self.hidden = config.hidden_size
         self.qkv = [getattr(attention, name) for name in _ATTENTION]
+        self.kv_heads = self.qkv[1].out_features // self.head_dim
         self.rest = [getattr(getattr(layer, part), name) for part, name in _REST]
         # the projections' buffer dicts, read directly: each step checks them, and nn.Module's attribute lookup
         # over 7 projections x 24 layers cost about 1 ms a step (of ~17)
@@ -102,11 +137,21 @@ class FusedDecoderStep:
         layer, call = self.layer, self._call
         qkv, rest = self._projections()
         norm = layer.input_layernorm
-        q, k, v = call(kernels.layer_qkv, hidden, norm.weight, norm.variance_epsilon, qkv, cos, sin, self.head_dim)
-        keys, values = (k, v) if cache is None else call(cache.update, k, v, self.layer_idx)
+        # transformers' update where the cache is none, offloaded, or being traced (torch.compile cannot follow the
+        # buffers' addresses that cache_room compares)
+        if cache is None or getattr(cache, "offloading", False) or torch.compiler.is_compiling():
+            q, k, v = call(kernels.layer_qkv, hidden, norm.weight, norm.variance_epsilon, qkv, cos, sin, self.head_dim)
+            keys, values = (k, v) if cache is None else call(cache.update, k, v, self.layer_idx)
+        else:  # the new keys and values written into the cache's buffers by the kernel
+            rows, cached = hidden.shape[0], cache.layers[self.layer_idx]
+            k_buffer, v_buffer, held = call(cache_room, cached, rows, self.kv_heads, self.head_dim)
+            q = call(kernels.layer_qkv_cached, hidden, norm.weight, norm.variance_epsilon, qkv, cos, sin,
+                     self.head_dim, k_buffer, v_buffer, held)
+            keys = cached.keys = k_buffer[:, :, :held + rows]
+            values = cached.values = v_buffer[:, :, :held + rows]
         norm = layer.post_attention_layernorm
-        return call(kernels.layer_rest, q, keys.contiguous(), values.contiguous(), self.scaling, hidden, norm.weight,
-                    norm.variance_epsilon, rest)
+        return call(kernels.layer_rest, q, keys, values, self.scaling, hidden, norm.weight, norm.variance_epsilon,
+                    rest)
 
     def _rotary_bf16(self, position_embeddings):
         if self._rotary[0] is not position_embeddings:
@@ -164,16 +209,26 @@ class FusedDecoderStep:
 
 class FusedModelStep:
     """A causal LM's forward whose decoder layers are all [`FusedDecoderStep`]s: a call of new tokens of one sequence
-    after a non-empty DynamicCache (as many as the layers take), without a mask, position ids, embeddings, labels,
-    gradients or hidden states asked for (a decoding step or a verification as pacer's loop makes it), runs
-    embedding -> the layers' kernels -> norm -> LM head in one function, the checks done once instead of once a layer
-    (about 3 ms of a 0.5B draft's 20 ms step); bitwise what the layers give through the model's own forward. Anything
-    else calls that forward (`original`)."""
+    after a non-empty DynamicCache (as many as the layers take), without padding, embeddings, labels, gradients or
+    hidden states asked for, its position ids (if given) those after the cache (a decoding step or a verification as
+    pacer's loop makes it, a step of plain `generate`), runs
+    embedding -> the layers' kernels -> norm -> LM head in one function, the checks done once instead of once a layer,
+    the layers in one kernel call where they can be ([`_layers`]); bitwise what the layers give through the model's
+    own forward. Anything else calls that forward (`original`)."""
 
     def __init__(self, model: nn.Module):
         self.model, self.original = model, model.forward
         self.cache_name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.layers = [layer.forward for layer in model.model.layers]
+        steps = self.layers
+        # every layer in one kernel call ([`kernels.decoder_layers`]) where they share head size and scaling: the
+        # projections' kinds and sizes, and where to read each buffer at each step (their current tensors, as the
+        # layers' own steps read them), seven a layer
+        self._one_call = len({(s.scaling, s.head_dim) for s in steps}) == 1
+        self._kinds = [kind for s in steps for kind in s._kinds]
+        self._sizes = [size for s in steps for size in s._sizes]
+        self._fields = [[(buffers, names[i]) for s in steps for buffers, names in zip(s._buffers, s._names)]
+                        for i in range(5)]
 
     def __call__(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
                  labels=None, use_cache=None, logits_to_keep=0, **kwargs):
@@ -187,21 +242,47 @@ class FusedModelStep:
         hidden = inner.embed_tokens(input_ids)
         positions = torch.arange(past, past + rows)[None]
         cos, sin = rotary_tables(inner.rotary_emb(hidden, positions), self.layers[0].head_dim)
-        x = hidden.reshape(rows, -1).contiguous()
-        for step in self.layers:
-            x = step.step(x, cos, sin, cache)
+        x = self._layers(hidden.reshape(rows, -1).contiguous(), cos, sin, cache)
         x = inner.norm(x[None])
         keep = x if not logits_to_keep else x[:, -logits_to_keep:]
         return CausalLMOutputWithPast(logits=self.model.lm_head(keep), past_key_values=cache)
 
+    def _layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache) -> torch.Tensor:
+        """The decoder layers over `cache`: one kernel call for them all, each layer's keys and values written into
+        its buffers ([`cache_room`]); layer by layer where that cannot be (an offloaded cache, torch.compile tracing,
+        a clock on the layers' calls: [`timed_kernels`]). The same bits either way."""
+        steps = self.layers
+        if (not self._one_call or getattr(cache, "offloading", False) or torch.compiler.is_compiling()
+                or any(s._call is not _untimed for s in steps)):
+            for step in steps:
+                x = step.step(x, cos, sin, cache)
+            return x
+        rows, layers = x.shape[0], cache.layers
+        rooms = [cache_room(layers[s.layer_idx], rows, s.kv_heads, s.head_dim) for s in steps]
+        norms = [n for s in steps for n in (s.layer.input_layernorm, s.layer.post_attention_layernorm)]
+        fields = [[None if name is None else buffers[name] for buffers, name in pairs] for pairs in self._fields]
+        out = kernels.decoder_layers(x, cos, sin, steps[0].head_dim, steps[0].scaling, [n.weight for n in norms],
+                                     [n.variance_epsilon for n in norms], (self._kinds, *fields, self._sizes),
+                                     [r[0] for r in rooms], [r[1] for r in rooms], [r[2] for r in rooms])
+        for s, (keys, values, held) in zip(steps, rooms):
+            layer = layers[s.layer_idx]
+            layer.keys, layer.values = keys[:, :, :held + rows], values[:, :, :held + rows]
+        return out
+
     def _takes(self, input_ids, attention_mask, position_ids, cache, inputs_embeds, labels, kwargs) -> bool:
-        if (input_ids is None or input_ids.dim() != 2 or input_ids.shape[0] != 1 or position_ids is not None or inputs_embeds is not None
+        if (input_ids is None or input_ids.dim() != 2 or input_ids.shape[0] != 1 or inputs_embeds is not None
                 or labels is not None or torch.is_grad_enabled() or type(cache) is not DynamicCache
-                or any(value is not None and value is not False for value in kwargs.values())
+                # plain generate asks for a dict, which this returns
+                or any(value is not None and value is not False and not (key == "return_dict" and value is True)
+                       for key, value in kwargs.items())
                 or cache.get_seq_length() == 0 or any(type(layer) is not DynamicLayer for layer in cache.layers)):
             return False
         if attention_mask is not None and not (attention_mask.dim() == 2 and bool(attention_mask.all())):
             return False
+        if position_ids is not None:  # plain generate hands the positions after the cache: the ones used here
+            past = cache.get_seq_length()
+            if not torch.equal(position_ids, torch.arange(past, past + input_ids.shape[1])[None]):
+                return False
         # every layer still routed and taking this call's rows and dtype (the layer's own test, once a step)
         rows, dtype = input_ids.shape[1], self.model.model.embed_tokens.weight.dtype
         return all(layer.forward is s and s.routable(rows, dtype)
@@ -273,7 +354,8 @@ def fused_layers(model: nn.Module) -> int:
 @contextlib.contextmanager
 def timed_kernels(model: nn.Module, clock=time.perf_counter):
     """Within the block, every routed layer of `model` adds the seconds of its calls to the dict it yields, keyed
-    "layer_qkv" (RMSNorm, q/k/v, rotary), "update" (transformers' cache update) and "layer_rest" (attention, o_proj,
+    "layer_qkv" or "layer_qkv_cached" (RMSNorm, q/k/v, rotary, the latter writing k and v into the cache), "update"
+    or "cache_room" (transformers' cache update, or finding the cache's buffers) and "layer_rest" (attention, o_proj,
     the MLP, the residuals), summed over the layers: the split that module hooks cannot see (no module inside a
     fused layer is called). `clock` must wait for the device's work ([`costs.device_clock`]); the caller clears
     the dict between forwards."""
@@ -293,6 +375,22 @@ def timed_kernels(model: nn.Module, clock=time.perf_counter):
     finally:
         for step in steps:
             step._call = _untimed
+
+
+@contextlib.contextmanager
+def layer_by_layer(*models: nn.Module):
+    """Within the block, the routed model steps of `models` call their layers' kernels one layer at a time, as before
+    [`kernels.decoder_layers`] ran them all in one call: the same bits, the Python between the calls paid again. What
+    the one call saves, measured in one process (`pacer-bench run --methods pacer pacer-layerwise`)."""
+    steps = [m.forward for m in models if m is not None and isinstance(getattr(m, "forward", None), FusedModelStep)]
+    saved = [step._one_call for step in steps]
+    for step in steps:
+        step._one_call = False
+    try:
+        yield
+    finally:
+        for step, one_call in zip(steps, saved):
+            step._one_call = one_call
 
 
 @contextlib.contextmanager

@@ -70,7 +70,7 @@ at::Tensor exact_attention(const at::Tensor& query, const at::Tensor& key, const
     const int64_t B = query.size(0), H = query.size(1), M = query.size(2), D = query.size(3);
     auto out = at::empty({B, M, H, D}, at::TensorOptions().dtype(at::kFloat));
     pacer_exact_attention(in<uint16_t>(query), in<uint16_t>(key), in<uint16_t>(value), B, H, key.size(1), M,
-                          key.size(2), D, in<int64_t>(lo), in<int64_t>(hi), static_cast<float>(scaling),
+                          key.size(2), D, key.size(2) * D, in<int64_t>(lo), in<int64_t>(hi), static_cast<float>(scaling),
                           out.mutable_data_ptr<float>());
     return out;
 }
@@ -113,8 +113,33 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_qkv(
     auto v = at::empty({1, ws[2].n / head_dim, m, head_dim}, options);
     pacer_layer_qkv(in<uint16_t>(hidden), m, hidden.size(1), in<uint16_t>(norm), static_cast<float>(eps), ws.data(),
                     in<uint16_t>(cos), in<uint16_t>(sin), head_dim, static_cast<uint16_t*>(q.mutable_data_ptr()),
-                    static_cast<uint16_t*>(k.mutable_data_ptr()), static_cast<uint16_t*>(v.mutable_data_ptr()));
+                    static_cast<uint16_t*>(k.mutable_data_ptr()), static_cast<uint16_t*>(v.mutable_data_ptr()),
+                    m * head_dim, 0);
     return {q, k, v};
+}
+
+// layer_qkv writing the new keys and values into a cache's buffers, (1, kv_heads, capacity, head_dim) bf16
+// contiguous, at positions at .. at + m - 1 (the Python side checks shapes and room); returns q
+at::Tensor layer_qkv_cached(
+        const at::Tensor& hidden, const at::Tensor& norm, double eps, const std::vector<int64_t>& kinds,
+        const std::vector<at::Tensor>& packed, const std::vector<at::Tensor>& a,
+        const std::vector<std::optional<at::Tensor>>& mn, const std::vector<std::optional<at::Tensor>>& dd,
+        const std::vector<std::optional<at::Tensor>>& bias, const std::vector<int64_t>& n, const at::Tensor& cos,
+        const at::Tensor& sin, int64_t head_dim, at::Tensor& keys, at::Tensor& values, int64_t at) {
+    const auto ws = weights(kinds, packed, a, mn, dd, bias, n);
+    TORCH_CHECK(ws.size() == 3, "pacer::layer_qkv_cached reads the q, k and v projections");
+    const int64_t m = hidden.size(0), capacity = keys.size(2);
+    TORCH_CHECK(keys.is_contiguous() && values.is_contiguous() && keys.sizes() == values.sizes() &&
+                    keys.size(1) * head_dim == ws[1].n && ws[1].n == ws[2].n && keys.size(3) == head_dim &&
+                    at >= 0 && at + m <= capacity,
+                "pacer::layer_qkv_cached: the cache buffers must be (1, kv_heads, capacity, head_dim), contiguous, "
+                "with room for the new rows");
+    auto q = at::empty({1, ws[0].n / head_dim, m, head_dim}, at::TensorOptions().dtype(at::kBFloat16));
+    pacer_layer_qkv(in<uint16_t>(hidden), m, hidden.size(1), in<uint16_t>(norm), static_cast<float>(eps), ws.data(),
+                    in<uint16_t>(cos), in<uint16_t>(sin), head_dim, static_cast<uint16_t*>(q.mutable_data_ptr()),
+                    static_cast<uint16_t*>(keys.mutable_data_ptr()), static_cast<uint16_t*>(values.mutable_data_ptr()),
+                    capacity * head_dim, at);
+    return q;
 }
 
 at::Tensor layer_rest(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, double scaling,
@@ -125,11 +150,61 @@ at::Tensor layer_rest(const at::Tensor& q, const at::Tensor& keys, const at::Ten
                       const std::vector<std::optional<at::Tensor>>& bias, const std::vector<int64_t>& n) {
     const auto ws = weights(kinds, packed, a, mn, dd, bias, n);
     TORCH_CHECK(ws.size() == 4, "pacer::layer_rest reads the o, gate, up and down projections");
+    // keys and values: each head's rows contiguous (a tensor of their own, or the first positions of a cache's buffer)
+    const int64_t d = q.size(3);
+    TORCH_CHECK(keys.sizes() == values.sizes() && keys.strides() == values.strides() && keys.size(0) == 1 &&
+                    keys.size(3) == d && keys.stride(3) == 1 && keys.stride(2) == d &&
+                    (keys.size(1) == 1 || keys.stride(1) >= keys.size(2) * d),
+                "pacer::layer_rest: keys and values must be (1, kv_heads, length, head_dim) with each head's rows "
+                "contiguous");
     auto out = at::empty(hidden.sizes(), hidden.options());
     pacer_layer_rest(in<uint16_t>(q), in<uint16_t>(keys), in<uint16_t>(values), q.size(2), q.size(1), keys.size(1),
-                     keys.size(2), q.size(3), static_cast<float>(scaling), in<uint16_t>(hidden), hidden.size(-1),
+                     keys.size(2), d, keys.size(1) == 1 ? keys.size(2) * d : keys.stride(1), static_cast<float>(scaling), in<uint16_t>(hidden), hidden.size(-1),
                      in<uint16_t>(norm), static_cast<float>(eps), ws.data(), ws[1].n,
                      static_cast<uint16_t*>(out.mutable_data_ptr()));
+    return out;
+}
+
+// every decoder layer of a model in one call (pacer_decoder_layers): the Python side checks what each layer's own
+// calls check (weights, shapes, room in each cache buffer); this checks the counts and the buffers' shapes
+at::Tensor decoder_layers(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin, int64_t head_dim,
+                          double scaling, const std::vector<at::Tensor>& norms, const std::vector<double>& eps,
+                          const std::vector<int64_t>& kinds, const std::vector<at::Tensor>& packed,
+                          const std::vector<at::Tensor>& a, const std::vector<std::optional<at::Tensor>>& mn,
+                          const std::vector<std::optional<at::Tensor>>& dd,
+                          const std::vector<std::optional<at::Tensor>>& bias, const std::vector<int64_t>& n,
+                          const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
+                          const std::vector<int64_t>& held) {
+    const auto ws = weights(kinds, packed, a, mn, dd, bias, n);
+    const int64_t layers = static_cast<int64_t>(keys.size()), m = hidden.size(0);
+    TORCH_CHECK(layers > 0 && ws.size() == size_t(7 * layers) && norms.size() == size_t(2 * layers) &&
+                    eps.size() == size_t(2 * layers) && values.size() == size_t(layers) && held.size() == size_t(layers),
+                "pacer::decoder_layers: per layer two norms and epsilons, seven projections, a key and a value buffer "
+                "and the positions held");
+    std::vector<const uint16_t*> norm_ptrs;
+    std::vector<float> eps_f;
+    std::vector<uint16_t*> key_ptrs, value_ptrs;
+    std::vector<int64_t> capacity;
+    for (int64_t l = 0; l < layers; ++l) {
+        const at::Tensor& k = keys[l];
+        const at::Tensor& v = values[l];
+        TORCH_CHECK(k.is_contiguous() && v.is_contiguous() && k.dim() == 4 && k.sizes() == v.sizes() &&
+                        k.size(0) == 1 && k.size(1) * head_dim == ws[7 * l + 1].n && ws[7 * l + 1].n == ws[7 * l + 2].n &&
+                        k.size(3) == head_dim && held[l] >= 0 && held[l] + m <= k.size(2),
+                    "pacer::decoder_layers: layer ", l, "'s cache buffers must be (1, kv_heads, capacity, head_dim), "
+                    "contiguous, with room for the new rows");
+        norm_ptrs.push_back(in<uint16_t>(norms[2 * l]));
+        norm_ptrs.push_back(in<uint16_t>(norms[2 * l + 1]));
+        eps_f.push_back(static_cast<float>(eps[2 * l]));
+        eps_f.push_back(static_cast<float>(eps[2 * l + 1]));
+        key_ptrs.push_back(static_cast<uint16_t*>(k.mutable_data_ptr()));
+        value_ptrs.push_back(static_cast<uint16_t*>(v.mutable_data_ptr()));
+        capacity.push_back(k.size(2));
+    }
+    auto out = at::empty(hidden.sizes(), hidden.options());
+    pacer_decoder_layers(in<uint16_t>(hidden), m, hidden.size(1), layers, norm_ptrs.data(), eps_f.data(), ws.data(),
+                         in<uint16_t>(cos), in<uint16_t>(sin), head_dim, static_cast<float>(scaling), key_ptrs.data(),
+                         value_ptrs.data(), capacity.data(), held.data(), static_cast<uint16_t*>(out.mutable_data_ptr()));
     return out;
 }
 #endif
@@ -152,6 +227,12 @@ TORCH_LIBRARY(pacer, m) {
     m.def("exact_attention(Tensor query, Tensor key, Tensor value, Tensor lo, Tensor hi, float scaling) -> Tensor");
     m.def("layer_qkv(Tensor hidden, Tensor norm, float eps, int[] kinds, Tensor[] packed, Tensor[] a, Tensor?[] mn, "
           "Tensor?[] dd, Tensor?[] bias, int[] n, Tensor cos, Tensor sin, int head_dim) -> (Tensor, Tensor, Tensor)");
+    m.def("layer_qkv_cached(Tensor hidden, Tensor norm, float eps, int[] kinds, Tensor[] packed, Tensor[] a, "
+          "Tensor?[] mn, Tensor?[] dd, Tensor?[] bias, int[] n, Tensor cos, Tensor sin, int head_dim, "
+          "Tensor(a!) keys, Tensor(b!) values, int at) -> Tensor");
+    m.def("decoder_layers(Tensor hidden, Tensor cos, Tensor sin, int head_dim, float scaling, Tensor[] norms, "
+          "float[] eps, int[] kinds, Tensor[] packed, Tensor[] a, Tensor?[] mn, Tensor?[] dd, Tensor?[] bias, int[] n, "
+          "Tensor(a!)[] keys, Tensor(b!)[] values, int[] held) -> Tensor");
     m.def("layer_rest(Tensor q, Tensor keys, Tensor values, float scaling, Tensor hidden, Tensor norm, float eps, "
           "int[] kinds, Tensor[] packed, Tensor[] a, Tensor?[] mn, Tensor?[] dd, Tensor?[] bias, int[] n) -> Tensor");
 #endif
@@ -165,6 +246,8 @@ TORCH_LIBRARY_IMPL(pacer, CPU, m) {
     m.impl("int4_matmul", &int4_matmul);
     m.impl("exact_attention", &exact_attention);
     m.impl("layer_qkv", &layer_qkv);
+    m.impl("layer_qkv_cached", &layer_qkv_cached);
+    m.impl("decoder_layers", &decoder_layers);
     m.impl("layer_rest", &layer_rest);
 }
 #endif

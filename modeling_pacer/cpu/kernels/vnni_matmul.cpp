@@ -28,7 +28,7 @@
 #include <immintrin.h>
 #endif
 
-extern "C" int pacer_kernel_abi() { return 12; }
+extern "C" int pacer_kernel_abi() { return 13; }
 
 #ifdef PACER_VNNI
 extern "C" int pacer_vnni_available() { return 1; }
@@ -679,13 +679,15 @@ extern "C" void pacer_i4_matmul(const uint8_t* packed, const uint16_t* sz, int64
 }
 
 // Attention for causal decoders, one query row at a time (pacer_exact's rule: a row's result must not depend on
-// the rows computed with it). q (B, H, M, D), k and v (B, KV, L, D) bf16, contiguous; row (b, i) attends to
-// keys lo[b, i]..hi[b, i] - 1 (hi == lo: a padding row, zeros); GQA: query head h reads key head h / (H / KV).
+// the rows computed with it). q (B, H, M, D) bf16, contiguous; k and v (B, KV, L, D) bf16, each head's L rows of D
+// contiguous and `kv_stride` elements apart (L * D where the tensors are contiguous; a cache's capacity times D where
+// they are the first L positions of a longer buffer); row (b, i) attends to keys lo[b, i]..hi[b, i] - 1 (hi == lo: a
+// padding row, zeros); GQA: query head h reads key head h / (H / KV).
 // out (B, M, H, D) float. In float32, in this order for every row: scores s_j = (q . k_j, 16 lanes then a fixed
 // horizontal sum) * scaling; p_j = exp(s_j - max s); out = (sum_j p_j v_j, j ascending) / (sum_j p_j, j ascending).
 extern "C" void pacer_exact_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t B, int64_t H,
-                                      int64_t KV, int64_t M, int64_t L, int64_t D, const int64_t* lo,
-                                      const int64_t* hi, float scaling, float* out) {
+                                      int64_t KV, int64_t M, int64_t L, int64_t D, int64_t kv_stride,
+                                      const int64_t* lo, const int64_t* hi, float scaling, float* out) {
     const int64_t groups = H / KV, chunks = D / 16;
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t task = 0; task < B * M * H; ++task) {
@@ -700,8 +702,8 @@ extern "C" void pacer_exact_attention(const uint16_t* q, const uint16_t* k, cons
         const uint16_t* qr = q + ((b * H + h) * M + i) * D;
         for (int64_t c = 0; c < chunks; ++c)
             qv[c] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(qr + 16 * c))), 16));
-        const uint16_t* kh = k + (b * KV + h / groups) * L * D;
-        const uint16_t* vh = v + (b * KV + h / groups) * L * D;
+        const uint16_t* kh = k + (b * KV + h / groups) * kv_stride;
+        const uint16_t* vh = v + (b * KV + h / groups) * kv_stride;
         float* scores = new float[last - first];
         float top = -INFINITY;
         for (int64_t j = first; j < last; ++j) {
@@ -884,17 +886,20 @@ static void linear_rows(const Weight& w, Inputs& in, uint16_t* out) {
     }
 }
 
-// (m, heads, d) rows -> (heads, m, d), as transformers' attention and cache hold them
-static void heads_first(const uint16_t* x, int64_t m, int64_t heads, int64_t d, uint16_t* out) {
+// (m, heads, d) rows -> (heads, m, d), as transformers' attention and cache hold them: head h's rows from
+// out + h * stride (stride m * d for a tensor of these rows alone), row r at its row `at + r`
+static void heads_first(const uint16_t* x, int64_t m, int64_t heads, int64_t d, int64_t stride, int64_t at,
+                        uint16_t* out) {
     for (int64_t r = 0; r < m; ++r)
-        for (int64_t h = 0; h < heads; ++h) std::memcpy(out + (h * m + r) * d, x + (r * heads + h) * d, d * 2);
+        for (int64_t h = 0; h < heads; ++h) std::memcpy(out + h * stride + (at + r) * d, x + (r * heads + h) * d, d * 2);
 }
 
-// ws: q, k, v projections. h (m, hidden) -> q (heads, m, d), k and v (kv_heads, m, d), rotated (cos, sin: (m, d)),
-// bf16.
+// ws: q, k, v projections. h (m, hidden) -> q (heads, m, d), k and v rotated (cos, sin: (m, d)), bf16. k and v go to
+// rows at .. at + m - 1 of each head's `kv_stride` elements (at 0 and m * d: tensors (kv_heads, m, d) of their own;
+// a cache's buffers (kv_heads, capacity, d): capacity * d, `at` the positions it holds), written in place.
 extern "C" void pacer_layer_qkv(const uint16_t* h, int64_t m, int64_t hidden, const uint16_t* norm, float eps,
                                 const Weight* ws, const uint16_t* cos, const uint16_t* sin, int64_t d, uint16_t* q,
-                                uint16_t* k, uint16_t* v) {
+                                uint16_t* k, uint16_t* v, int64_t kv_stride, int64_t at) {
     uint16_t* x = new uint16_t[m * hidden];
 #pragma omp parallel for schedule(static) if (m >= PARALLEL_ROWS)
     for (int64_t r = 0; r < m; ++r) rms_norm(h + r * hidden, norm, hidden, eps, x + r * hidden);
@@ -908,24 +913,26 @@ extern "C" void pacer_layer_qkv(const uint16_t* h, int64_t m, int64_t hidden, co
 #pragma omp parallel for schedule(static) if (m >= PARALLEL_ROWS)
             for (int64_t r = 0; r < m; ++r) rotary(rows + r * n, n / d, d, cos + r * d, sin + r * d);
         }
-        heads_first(rows, m, n / d, d, outs[i]);
+        if (i == 0) heads_first(rows, m, n / d, d, m * d, 0, outs[i]);
+        else heads_first(rows, m, n / d, d, kv_stride, at, outs[i]);
         delete[] rows;
     }
     delete[] x;
 }
 
 // ws: o, gate, up, down projections. q (heads, m, d), the m new tokens' queries, against the cached keys and values
-// (kv_heads, length, d; the new tokens last): row r sees keys 0 .. length - m + r. Then o_proj, the residual, the MLP
-// and its residual: h (m, hidden) -> out (m, hidden), bf16.
+// (kv_heads, length, d, heads `kv_stride` elements apart; the new tokens last): row r sees keys 0 .. length - m + r.
+// Then o_proj, the residual, the MLP and its residual: h (m, hidden) -> out (m, hidden), bf16.
 extern "C" void pacer_layer_rest(const uint16_t* q, const uint16_t* keys, const uint16_t* values, int64_t m,
-                                 int64_t heads, int64_t kv_heads, int64_t length, int64_t d, float scaling,
+                                 int64_t heads, int64_t kv_heads, int64_t length, int64_t d, int64_t kv_stride,
+                                 float scaling,
                                  const uint16_t* h, int64_t hidden, const uint16_t* norm, float eps, const Weight* ws,
                                  int64_t inter, uint16_t* out) {
     float* attn = new float[m * heads * d];
     int64_t* lo = new int64_t[m];
     int64_t* hi = new int64_t[m];
     for (int64_t r = 0; r < m; ++r) { lo[r] = 0; hi[r] = length - m + r + 1; }
-    pacer_exact_attention(q, keys, values, 1, heads, kv_heads, m, length, d, lo, hi, scaling, attn);
+    pacer_exact_attention(q, keys, values, 1, heads, kv_heads, m, length, d, kv_stride, lo, hi, scaling, attn);
     const int64_t wide = heads * d > inter ? heads * d : inter;
     uint16_t* a = new uint16_t[m * wide];
 #pragma omp parallel for schedule(static) if (m >= PARALLEL_ROWS)
@@ -963,6 +970,30 @@ extern "C" void pacer_layer_rest(const uint16_t* q, const uint16_t* keys, const 
     delete[] mid;
     delete[] gate;
     delete[] up;
+}
+
+// A decoder's layers one after another over one sequence's cache, the new keys and values written in place:
+// for each layer l, its two calls above (norms[2l], eps[2l] before attention; norms[2l + 1], eps[2l + 1] after;
+// ws[7l .. 7l + 6]: q, k, v, o, gate, up, down), keys[l] / values[l] its cache buffers (kv_heads, capacity, d)
+// holding held[l] positions. h (m, hidden) -> out (m, hidden), bf16: the bits the calls layer by layer give.
+extern "C" void pacer_decoder_layers(const uint16_t* h, int64_t m, int64_t hidden, int64_t layers,
+                                     const uint16_t* const* norms, const float* eps, const Weight* ws,
+                                     const uint16_t* cos, const uint16_t* sin, int64_t d, float scaling,
+                                     uint16_t* const* keys, uint16_t* const* values, const int64_t* capacity,
+                                     const int64_t* held, uint16_t* out) {
+    uint16_t* x = new uint16_t[m * hidden];
+    std::memcpy(x, h, m * hidden * 2);
+    for (int64_t l = 0; l < layers; ++l) {
+        const Weight* w = ws + 7 * l;
+        const int64_t heads = w[0].n / d, kv_heads = w[1].n / d;
+        uint16_t* q = new uint16_t[m * heads * d];
+        pacer_layer_qkv(x, m, hidden, norms[2 * l], eps[2 * l], w, cos, sin, d, q, keys[l], values[l],
+                        capacity[l] * d, held[l]);
+        pacer_layer_rest(q, keys[l], values[l], m, heads, kv_heads, held[l] + m, d, capacity[l] * d, scaling, x,
+                         hidden, norms[2 * l + 1], eps[2 * l + 1], w + 3, w[4].n, l + 1 == layers ? out : x);
+        delete[] q;
+    }
+    delete[] x;
 }
 #else
 extern "C" int pacer_vnni_available() { return 0; }
