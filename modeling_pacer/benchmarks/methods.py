@@ -96,6 +96,9 @@ def all_methods(gammas=(1, 2, 3, 4, 5, 6), head_config=None, costs=None, do_samp
     `throughput`); SpecDec++ uses the head's length cap; the cost-aware rules use `costs`, this machine's
     measured cost model."""
     longest = head_config.max_draft_length if head_config else 16
+    # the head's own default rule (its config's stopping_rule)
+    pacer = _ours("pacer", lambda *c: make_policy(None, head_config, *c, do_sample=do_sample), needs_head=True,
+                  costs=costs, needs_costs=head_config is not None and head_rule(head_config, do_sample)[0] == "throughput")
     methods = [
         Method("target", "target"),
         # opt-in: a fused target (load_pair's default for w4a8) alone on transformers' eager layers over the same
@@ -114,9 +117,7 @@ def all_methods(gammas=(1, 2, 3, 4, 5, 6), head_config=None, costs=None, do_samp
         _ours("svip", lambda: SVIP()),
         _ours("specdec++", lambda: SpecDecPP(max_draft_length=head_config.max_draft_length if head_config else 16),
               needs_head=True),
-        # the head's own default rule (its config's stopping_rule), and the paper's block rule by name
-        _ours("pacer", lambda *c: make_policy(None, head_config, *c, do_sample=do_sample), needs_head=True, costs=costs,
-              needs_costs=head_config is not None and head_rule(head_config, do_sample)[0] == "throughput"),
+        pacer,
         # the same, the draft reading only the prompt's last K tokens: its prefill costs K tokens
         *[_ours(f"pacer-window-{k}", lambda *c: make_policy(None, head_config, *c, do_sample=do_sample),
                 needs_head=True, costs=costs, draft_window=k,
@@ -129,10 +130,8 @@ def all_methods(gammas=(1, 2, 3, 4, 5, 6), head_config=None, costs=None, do_samp
                 draft_window=k, draft_vocab=n,
                 needs_costs=head_config is not None and head_rule(head_config, do_sample)[0] == "throughput")
           for n in DRAFT_VOCABS for k in (0, 128)],
-        replace(_ours("pacer", lambda *c: make_policy(None, head_config, *c, do_sample=do_sample), needs_head=True,
-                      costs=costs, needs_costs=head_config is not None and head_rule(head_config, do_sample)[0] == "throughput"),
-                name="pacer-layerwise", layerwise=True),
-        _ours("pacer-blocks", lambda: Pacer.from_config(head_config), needs_head=True),
+        replace(pacer, name="pacer-layerwise", layerwise=True),
+        _ours("pacer-blocks", lambda: Pacer.from_config(head_config), needs_head=True),  # the paper's block rule
         _ours("throughput", lambda c: ExpectedThroughput(c, "draft", longest), costs=costs, needs_costs=True),
         _ours("pacer-throughput", lambda c: ExpectedThroughput(c, "head", longest), needs_head=True, costs=costs,
               needs_costs=True),

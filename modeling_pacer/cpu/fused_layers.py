@@ -87,6 +87,19 @@ def cache_room(layer: DynamicLayer, rows: int, kv_heads: int, head_dim: int) -> 
     return k_buffer, v_buffer, held
 
 
+def writes_in_place(cache) -> bool:
+    """Whether routed layers write into `cache`'s buffers ([`cache_room`]): a cache, not offloaded (transformers'
+    update moves its layers), outside torch.compile tracing (which cannot follow the buffers' addresses that
+    cache_room compares). Elsewhere they call transformers' update."""
+    return cache is not None and not getattr(cache, "offloading", False) and not torch.compiler.is_compiling()
+
+
+def hold(layer: DynamicLayer, k_buffer: torch.Tensor, v_buffer: torch.Tensor, length: int):
+    """Set the cache layer's keys and values to its buffers' first `length` positions; returns them."""
+    layer.keys, layer.values = k_buffer[:, :, :length], v_buffer[:, :, :length]
+    return layer.keys, layer.values
+
+
 def rotary_tables(position_embeddings, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A rotary embedding's (cos, sin), (1, rows, head_dim) as transformers hands them to the layers, as the kernels
     read them: bf16, (rows, head_dim), contiguous."""
@@ -137,18 +150,15 @@ class FusedDecoderStep:
         layer, call = self.layer, self._call
         qkv, rest = self._projections()
         norm = layer.input_layernorm
-        # transformers' update where the cache is none, offloaded, or being traced (torch.compile cannot follow the
-        # buffers' addresses that cache_room compares)
-        if cache is None or getattr(cache, "offloading", False) or torch.compiler.is_compiling():
-            q, k, v = call(kernels.layer_qkv, hidden, norm.weight, norm.variance_epsilon, qkv, cos, sin, self.head_dim)
-            keys, values = (k, v) if cache is None else call(cache.update, k, v, self.layer_idx)
-        else:  # the new keys and values written into the cache's buffers by the kernel
+        if writes_in_place(cache):  # the new keys and values written into the cache's buffers by the kernel
             rows, cached = hidden.shape[0], cache.layers[self.layer_idx]
             k_buffer, v_buffer, held = call(cache_room, cached, rows, self.kv_heads, self.head_dim)
             q = call(kernels.layer_qkv_cached, hidden, norm.weight, norm.variance_epsilon, qkv, cos, sin,
                      self.head_dim, k_buffer, v_buffer, held)
-            keys = cached.keys = k_buffer[:, :, :held + rows]
-            values = cached.values = v_buffer[:, :, :held + rows]
+            keys, values = hold(cached, k_buffer, v_buffer, held + rows)
+        else:
+            q, k, v = call(kernels.layer_qkv, hidden, norm.weight, norm.variance_epsilon, qkv, cos, sin, self.head_dim)
+            keys, values = (k, v) if cache is None else call(cache.update, k, v, self.layer_idx)
         norm = layer.post_attention_layernorm
         return call(kernels.layer_rest, q, keys, values, self.scaling, hidden, norm.weight, norm.variance_epsilon,
                     rest)
@@ -252,8 +262,7 @@ class FusedModelStep:
         its buffers ([`cache_room`]); layer by layer where that cannot be (an offloaded cache, torch.compile tracing,
         a clock on the layers' calls: [`timed_kernels`]). The same bits either way."""
         steps = self.layers
-        if (not self._one_call or getattr(cache, "offloading", False) or torch.compiler.is_compiling()
-                or any(s._call is not _untimed for s in steps)):
+        if not self._one_call or not writes_in_place(cache) or any(s._call is not _untimed for s in steps):
             for step in steps:
                 x = step.step(x, cos, sin, cache)
             return x
@@ -265,8 +274,7 @@ class FusedModelStep:
                                      [n.variance_epsilon for n in norms], (self._kinds, *fields, self._sizes),
                                      [r[0] for r in rooms], [r[1] for r in rooms], [r[2] for r in rooms])
         for s, (keys, values, held) in zip(steps, rooms):
-            layer = layers[s.layer_idx]
-            layer.keys, layer.values = keys[:, :, :held + rows], values[:, :, :held + rows]
+            hold(layers[s.layer_idx], keys, values, held + rows)
         return out
 
     def _takes(self, input_ids, attention_mask, position_ids, cache, inputs_embeds, labels, kwargs) -> bool:

@@ -8,6 +8,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <string>
 #include <vector>
 
 #include "vnni_matmul.cpp"
@@ -118,8 +119,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_qkv(
     return {q, k, v};
 }
 
-// layer_qkv writing the new keys and values into a cache's buffers, (1, kv_heads, capacity, head_dim) bf16
-// contiguous, at positions at .. at + m - 1 (the Python side checks shapes and room); returns q
+// a cache layer's buffers as the kernels write them: (1, kv_heads, capacity, head_dim), contiguous, k and v alike,
+// kv_heads * head_dim the k and v projections' outputs, room at positions at .. at + m - 1
+void check_cache_buffers(const at::Tensor& keys, const at::Tensor& values, const Weight* qkv, int64_t head_dim,
+                         int64_t at, int64_t m, const char* what) {
+    TORCH_CHECK(keys.is_contiguous() && values.is_contiguous() && keys.dim() == 4 && keys.sizes() == values.sizes() &&
+                    keys.size(0) == 1 && keys.size(1) * head_dim == qkv[1].n && qkv[1].n == qkv[2].n &&
+                    keys.size(3) == head_dim && at >= 0 && at + m <= keys.size(2),
+                what, ": the cache buffers must be (1, kv_heads, capacity, head_dim), contiguous, with room for the new "
+                "rows");
+}
+
+// layer_qkv writing the new keys and values into a cache's buffers at positions at .. at + m - 1; returns q
 at::Tensor layer_qkv_cached(
         const at::Tensor& hidden, const at::Tensor& norm, double eps, const std::vector<int64_t>& kinds,
         const std::vector<at::Tensor>& packed, const std::vector<at::Tensor>& a,
@@ -129,11 +140,7 @@ at::Tensor layer_qkv_cached(
     const auto ws = weights(kinds, packed, a, mn, dd, bias, n);
     TORCH_CHECK(ws.size() == 3, "pacer::layer_qkv_cached reads the q, k and v projections");
     const int64_t m = hidden.size(0), capacity = keys.size(2);
-    TORCH_CHECK(keys.is_contiguous() && values.is_contiguous() && keys.sizes() == values.sizes() &&
-                    keys.size(1) * head_dim == ws[1].n && ws[1].n == ws[2].n && keys.size(3) == head_dim &&
-                    at >= 0 && at + m <= capacity,
-                "pacer::layer_qkv_cached: the cache buffers must be (1, kv_heads, capacity, head_dim), contiguous, "
-                "with room for the new rows");
+    check_cache_buffers(keys, values, ws.data(), head_dim, at, m, "pacer::layer_qkv_cached");
     auto q = at::empty({1, ws[0].n / head_dim, m, head_dim}, at::TensorOptions().dtype(at::kBFloat16));
     pacer_layer_qkv(in<uint16_t>(hidden), m, hidden.size(1), in<uint16_t>(norm), static_cast<float>(eps), ws.data(),
                     in<uint16_t>(cos), in<uint16_t>(sin), head_dim, static_cast<uint16_t*>(q.mutable_data_ptr()),
@@ -165,8 +172,8 @@ at::Tensor layer_rest(const at::Tensor& q, const at::Tensor& keys, const at::Ten
     return out;
 }
 
-// every decoder layer of a model in one call (pacer_decoder_layers): the Python side checks what each layer's own
-// calls check (weights, shapes, room in each cache buffer); this checks the counts and the buffers' shapes
+// every decoder layer of a model in one call (pacer_decoder_layers): the counts per layer, and each layer's cache
+// buffers as layer_qkv_cached checks them
 at::Tensor decoder_layers(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin, int64_t head_dim,
                           double scaling, const std::vector<at::Tensor>& norms, const std::vector<double>& eps,
                           const std::vector<int64_t>& kinds, const std::vector<at::Tensor>& packed,
@@ -188,11 +195,8 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const at::Tensor& cos, const
     for (int64_t l = 0; l < layers; ++l) {
         const at::Tensor& k = keys[l];
         const at::Tensor& v = values[l];
-        TORCH_CHECK(k.is_contiguous() && v.is_contiguous() && k.dim() == 4 && k.sizes() == v.sizes() &&
-                        k.size(0) == 1 && k.size(1) * head_dim == ws[7 * l + 1].n && ws[7 * l + 1].n == ws[7 * l + 2].n &&
-                        k.size(3) == head_dim && held[l] >= 0 && held[l] + m <= k.size(2),
-                    "pacer::decoder_layers: layer ", l, "'s cache buffers must be (1, kv_heads, capacity, head_dim), "
-                    "contiguous, with room for the new rows");
+        check_cache_buffers(k, v, ws.data() + 7 * l, head_dim, held[l], m,
+                            ("pacer::decoder_layers, layer " + std::to_string(l)).c_str());
         norm_ptrs.push_back(in<uint16_t>(norms[2 * l]));
         norm_ptrs.push_back(in<uint16_t>(norms[2 * l + 1]));
         eps_f.push_back(static_cast<float>(eps[2 * l]));
