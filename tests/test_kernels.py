@@ -172,6 +172,24 @@ def test_amx_tiles_give_the_vnni_loops_bits(kind):
                 assert torch.equal(layer(xd[:, :rows]), alone[:, :rows]), (dtype, rows)
 
 
+@pytest.mark.parametrize("kind", ["w4a8", "w8a8"])
+def test_a_long_prompt_on_the_tiles_goes_over_its_inputs_in_chunks_with_the_rows_bits(kind):
+    """A prompt whose activations would not stay in a core's cache (240 rows x 2304 inputs: past the kernels' 512 KB)
+    is computed over chunks of its inputs (`prompt_chunk`: 8 of Q4_K's 9 super-blocks, then 1; 17 of int8's 18 blocks
+    of 128, then 1), each tile's running sums kept between them: every row still bitwise what the VNNI loops give it
+    alone."""
+    if not kernels.amx_available():
+        pytest.skip("no AMX tiles here (CPU, compiler or kernel)")
+    torch.manual_seed(6)
+    layer = {"w4a8": W4A8Linear, "w8a8": W8A8Linear}[kind].from_linear(torch.nn.Linear(2304, 32, bias=True))
+    x = torch.randn(1, 240, 2304, dtype=torch.bfloat16) * 4
+    with kernels.amx_rows(0):
+        alone = torch.cat([layer(x[:, i:i + 1]) for i in range(240)], 1)
+    with kernels.amx_rows(1):
+        for rows in (240, 200):  # over chunks; 200 rows (208 padded) in one chunk of all 9 / 18 blocks
+            assert torch.equal(layer(x[:, :rows]), alone[:, :rows]), rows
+
+
 EXP_CHECK = r"""
 #include "vnni_matmul.cpp"
 #include <cstdio>

@@ -45,7 +45,7 @@ from ...host import build_once, cache_root, cpuinfo_field, private_folder, trust
 SOURCE = Path(__file__).with_name("vnni_matmul.cpp")  # the kernels (raw pointers)
 OPS = Path(__file__).with_name("ops.cpp")  # their torch operators; includes SOURCE
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
-ABI = 13  # pacer_kernel_abi() of the source this module calls
+ABI = 14  # pacer_kernel_abi() of the source this module calls
 
 
 def _torch_flags() -> list[str]:

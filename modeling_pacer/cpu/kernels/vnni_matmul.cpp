@@ -28,7 +28,7 @@
 #include <immintrin.h>
 #endif
 
-extern "C" int pacer_kernel_abi() { return 13; }
+extern "C" int pacer_kernel_abi() { return 14; }
 
 #ifdef PACER_VNNI
 extern "C" int pacer_vnni_available() { return 1; }
@@ -302,14 +302,15 @@ static inline __m512i scale_codes(__m512i q, __m512i s) {
     return _mm512_or_si512(even, _mm512_slli_epi16(odd, 8));
 }
 
-// out: m x 16 floats (stride 16), zeroed; xq: m (a multiple of 16) rows
+// super-blocks [b0, b1) of a call of m rows (a multiple of 16) into out: m x 16 floats (stride 16), zeroed before
+// the first super-block; rows_kept of them kept
 static void q4_rows_amx(const uint8_t* packed, const uint8_t* sc, const uint8_t* mn, const uint16_t* dd,
-                        const int8_t* xq, const float* sx, const int16_t* xs, int64_t k, int64_t blocks, int64_t m,
-                        int64_t rows_kept, float* out) {
+                        const int8_t* xq, const float* sx, const int16_t* xs, int64_t k, int64_t blocks, int64_t b0,
+                        int64_t b1, int64_t m, int64_t rows_kept, float* out) {
     const __m512i low = _mm512_set1_epi8(0x0F);
     alignas(64) uint8_t whi[8 * 512], wlo[8 * 512];  // per group: 8 steps x 16 outputs x 4 inputs
     alignas(64) int32_t c[2 * 16 * 16];
-    for (int64_t b = 0; b < blocks; ++b) {
+    for (int64_t b = b0; b < b1; ++b) {
         for (int g = 0; g < 8; ++g) {
             const __m128i scg = _mm_loadu_si128((const __m128i*)(sc + (b * 8 + g) * 16));
             const __m128i hi8 = _mm_and_si128(_mm_srli_epi16(scg, 3), _mm_set1_epi8(7));
@@ -329,6 +330,9 @@ static void q4_rows_amx(const uint8_t* packed, const uint8_t* sc, const uint8_t*
         }
         const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(dd + b * 32)));
         const __m512 dminv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(dd + b * 32 + 16)));
+        __m512i mnq[4];  // the super-block's group minima, as every row's min term reads them
+        for (int q = 0; q < 4; ++q)
+            mnq[q] = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(mn + (b * 4 + q) * 32)));
         for (int64_t r0 = 0; r0 < m; r0 += AMX_BLOCK) {
             const int8_t* x = xq + r0 * k + b * 256;
             _tile_zero(0);
@@ -346,17 +350,15 @@ static void q4_rows_amx(const uint8_t* packed, const uint8_t* sc, const uint8_t*
 #undef PACER_PAIR
             _tile_stored(0, c, 64);
             _tile_stored(1, c + 256, 64);
-            const int64_t rows = rows_kept - r0 < AMX_BLOCK ? rows_kept - r0 : AMX_BLOCK;
-            for (int64_t i = 0; i < rows; ++i) {  // as q4_tile
-                const int64_t r = r0 + i;
-                const __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512((const void*)(c + 16 * i)), 3),
-                                                      _mm512_load_si512((const void*)(c + 256 + 16 * i)));
+            const int64_t end = r0 + AMX_BLOCK < rows_kept ? r0 + AMX_BLOCK : rows_kept;
+            for (int64_t r = r0; r < end; ++r) {  // as q4_tile
+                const int32_t* cr = c + 16 * (r - r0);
+                const __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512((const void*)cr), 3),
+                                                      _mm512_load_si512((const void*)(cr + 256)));
                 const int16_t* xsr = xs + r * (k / 32) + b * 8;
                 __m512i msum = _mm512_setzero_si512();
-                for (int q = 0; q < 4; ++q) {
-                    const __m512i mnq = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(mn + (b * 4 + q) * 32)));
-                    msum = _mm512_dpwssd_epi32(msum, mnq, _mm512_set1_epi32(load4((const int8_t*)(xsr + 2 * q))));
-                }
+                for (int q = 0; q < 4; ++q)
+                    msum = _mm512_dpwssd_epi32(msum, mnq[q], _mm512_set1_epi32(load4((const int8_t*)(xsr + 2 * q))));
                 __m512 t = _mm512_sub_ps(_mm512_mul_ps(dv, _mm512_cvtepi32_ps(isum)),
                                          _mm512_mul_ps(dminv, _mm512_cvtepi32_ps(msum)));
                 float* o = out + r * 16;
@@ -366,14 +368,16 @@ static void q4_rows_amx(const uint8_t* packed, const uint8_t* sc, const uint8_t*
     }
 }
 
-// q8_tile's arithmetic for 16 rows (rows < 16 of them kept): the packed int8 weights are tile B as they lie. k is a
-// multiple of 128 (the target's layers: of 256).
-static void q8_tile_amx(const uint8_t* packed, const float* scale, const int8_t* xq, const float* sx, const int16_t* xs,
-                        int64_t k, int64_t rows, float* out, int64_t ldo) {
+// q8_tile's arithmetic for 16 rows (rows < 16 of them kept), over the groups [g_begin, g_end) of 32 inputs: sums
+// (rows x 16 floats, stride 16) holds each row's running sum, zero before the first group; the caller multiplies
+// by the outputs' scales after the last (as q8_tile does). The packed int8 weights are tile B as they lie. k is a
+// multiple of 128 (the target's layers: of 256), and so are the group bounds' inputs.
+static void q8_tile_amx(const uint8_t* packed, const int8_t* xq, const float* sx, const int16_t* xs, int64_t k,
+                        int64_t g_begin, int64_t g_end, int64_t rows, float* sums) {
     alignas(64) int32_t c[4 * 16 * 16];
     __m512 acc[16];
-    for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t g0 = 0; g0 < k / 32; g0 += 4) {
+    for (int64_t r = 0; r < rows; ++r) acc[r] = _mm512_loadu_ps(sums + 16 * r);
+    for (int64_t g0 = g_begin; g0 < g_end; g0 += 4) {
         const uint8_t* p = packed + g0 * 512;
         for (int j = 0; j < 32; ++j) _mm_prefetch((const char*)(p + j * 64 + PREFETCH), _MM_HINT_T0);
         const void* const wp[4] = {p, p + 512, p + 1024, p + 1536};
@@ -387,8 +391,13 @@ static void q8_tile_amx(const uint8_t* packed, const float* scale, const int8_t*
             }
         }
     }
+    for (int64_t r = 0; r < rows; ++r) _mm512_storeu_ps(sums + 16 * r, acc[r]);
+}
+
+// sums (rows x 16, stride 16) times the tile's output scales, in place
+static void scale_sums(float* sums, int64_t rows, const float* scale) {
     const __m512 sv = _mm512_loadu_ps(scale);
-    for (int64_t r = 0; r < rows; ++r) _mm512_storeu_ps(out + r * ldo, _mm512_mul_ps(acc[r], sv));
+    for (int64_t r = 0; r < rows; ++r) _mm512_storeu_ps(sums + 16 * r, _mm512_mul_ps(_mm512_loadu_ps(sums + 16 * r), sv));
 }
 
 static bool use_amx(int64_t m, int64_t k) { return amx_rows > 0 && m >= amx_rows && k % 128 == 0 && amx_permitted(); }
@@ -411,6 +420,18 @@ extern "C" int64_t pacer_set_amx_rows(int64_t rows) {
     return 0;
 #endif
 }
+
+#ifdef PACER_AMX
+// A prompt's activations are read again for every output tile: where all of them (mp rows x k bytes) would not stay
+// in a core's L2 cache beside the weights, the tiles go over the inputs in chunks whose activations do (each tile's
+// outputs kept between chunks; a row's float sums still added block after block of inputs, in order). Returns the
+// chunk's inputs: a multiple of `step` (the kernel's block of inputs), at least one.
+static const int64_t PROMPT_CACHE_BYTES = 512 * 1024;
+static int64_t prompt_chunk(int64_t mp, int64_t k, int64_t step) {
+    const int64_t fit = PROMPT_CACHE_BYTES / (mp * step) * step;
+    return fit < step ? step : fit > k ? k : fit;
+}
+#endif
 
 // A tile's float results (rows x 16 in acc) plus the bias, to out (float, or bf16 rounded to nearest even as
 // torch's conversion rounds; NaN stays NaN).
@@ -450,37 +471,46 @@ extern "C" void pacer_q4k_matmul(const uint8_t* packed, const uint8_t* sc, const
     if (use_amx(m, k)) {
         int8_t* pad = padded_rows(xq, m, k);
         const int8_t* x = pad ? pad : xq;
+        const int64_t mp = (m + AMX_BLOCK - 1) / AMX_BLOCK * AMX_BLOCK;
+        if (m > AMX_BLOCK) {  // a prompt: its rows' outputs per tile, over chunks of super-blocks (prompt_chunk)
+            const int64_t chunk = prompt_chunk(mp, k, 256) / 256;  // super-blocks
+            const bool one = chunk == blocks;  // one chunk: a tile's outputs done before the next tile's start
+            const int64_t size = mp * 16 * sizeof(float);
+            float* many = one ? nullptr : static_cast<float*>(std::aligned_alloc(64, tiles * size));
+#pragma omp parallel
+            {
+                tile_config_prompt();
+                float* mine = one ? static_cast<float*>(std::aligned_alloc(64, size)) : nullptr;
+                for (int64_t b0 = 0; b0 < blocks; b0 += chunk) {
+                    const int64_t b1 = b0 + chunk < blocks ? b0 + chunk : blocks;
+#pragma omp for schedule(static)
+                    for (int64_t t = 0; t < tiles; ++t) {
+                        float* acc = one ? mine : many + t * mp * 16;
+                        if (b0 == 0) std::memset(acc, 0, size);
+                        q4_rows_amx(packed + t * blocks * 8 * 256, sc + t * blocks * 8 * 16, mn + t * blocks * 8 * 16,
+                                    dd + t * blocks * 32, x, sx, xs, k, blocks, b0, b1, mp, m, acc);
+                        if (b1 == blocks) finish(acc, m, bias ? bias + t * 16 : nullptr, out, out_bf16, t * 16, n);
+                    }
+                }
+                _tile_release();
+                std::free(mine);
+            }
+            std::free(many);
+            delete[] pad;
+            return;
+        }
 #pragma omp parallel
         {
-            float* many = nullptr;  // a prompt's rows: a tile's outputs for all of them
-            if (m > AMX_BLOCK) {
-                tile_config_prompt();
-                many = static_cast<float*>(std::aligned_alloc(64, m * 16 * sizeof(float)));
-            } else {
-                tile_config(m);
-            }
-            const int64_t mp = (m + AMX_BLOCK - 1) / AMX_BLOCK * AMX_BLOCK;
+            tile_config(m);
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < tiles; ++t) {
-                if (many) {
-                    std::memset(many, 0, m * 16 * sizeof(float));
-                    q4_rows_amx(packed + t * blocks * 8 * 256, sc + t * blocks * 8 * 16, mn + t * blocks * 8 * 16,
-                                dd + t * blocks * 32, x, sx, xs, k, blocks, mp, m, many);
-                    finish(many, m, bias ? bias + t * 16 : nullptr, out, out_bf16, t * 16, n);
-                    continue;
-                }
-                for (int64_t r0 = 0; r0 < m; r0 += AMX_BLOCK) {
-                    const int64_t rows = m - r0 < AMX_BLOCK ? m - r0 : AMX_BLOCK;
-                    alignas(64) float acc[AMX_BLOCK * 16];
-                    std::memset(acc, 0, sizeof acc);
-                    q4_tile_amx(packed + t * blocks * 8 * 256, sc + t * blocks * 8 * 16, mn + t * blocks * 8 * 16,
-                                dd + t * blocks * 32, x + r0 * k, sx + r0 * blocks, xs + r0 * (k / 32), k, blocks, rows,
-                                acc, 16);
-                    finish(acc, rows, bias ? bias + t * 16 : nullptr, out, out_bf16, r0 * n + t * 16, n);
-                }
+                alignas(64) float acc[AMX_BLOCK * 16];
+                std::memset(acc, 0, sizeof acc);
+                q4_tile_amx(packed + t * blocks * 8 * 256, sc + t * blocks * 8 * 16, mn + t * blocks * 8 * 16,
+                            dd + t * blocks * 32, x, sx, xs, k, blocks, m, acc, 16);
+                finish(acc, m, bias ? bias + t * 16 : nullptr, out, out_bf16, t * 16, n);
             }
             _tile_release();
-            std::free(many);
         }
         delete[] pad;
         return;
@@ -511,21 +541,37 @@ extern "C" void pacer_q8_matmul(const uint8_t* packed, const float* scale, int64
     if (use_amx(m, k)) {
         int8_t* pad = padded_rows(xq, m, k);
         const int8_t* x = pad ? pad : xq;
+        const int64_t mp = (m + AMX_BLOCK - 1) / AMX_BLOCK * AMX_BLOCK, groups = k / 32;
+        // a prompt over chunks of inputs (prompt_chunk), its rows' running sums per tile between them
+        const int64_t chunk = m > AMX_BLOCK ? prompt_chunk(mp, k, 128) : k;
+        const bool one = chunk == k;
+        const int64_t size = mp * 16 * sizeof(float);
+        float* many = one ? nullptr : static_cast<float*>(std::aligned_alloc(64, tiles * size));
 #pragma omp parallel
         {
             tile_config(m < AMX_BLOCK ? m : AMX_BLOCK);
+            float* mine = one ? static_cast<float*>(std::aligned_alloc(64, size)) : nullptr;
+            for (int64_t i0 = 0; i0 < k; i0 += chunk) {
+                const int64_t i1 = i0 + chunk < k ? i0 + chunk : k;
 #pragma omp for schedule(static)
-            for (int64_t t = 0; t < tiles; ++t) {
-                for (int64_t r0 = 0; r0 < m; r0 += AMX_BLOCK) {
-                    const int64_t rows = m - r0 < AMX_BLOCK ? m - r0 : AMX_BLOCK;
-                    alignas(64) float acc[AMX_BLOCK * 16];
-                    q8_tile_amx(packed + t * k * 16, scale + t * 16, x + r0 * k, sx + r0 * (k / 32), xs + r0 * (k / 32),
-                                k, rows, acc, 16);
-                    finish(acc, rows, bias ? bias + t * 16 : nullptr, out, out_bf16, r0 * n + t * 16, n);
+                for (int64_t t = 0; t < tiles; ++t) {
+                    float* sums = one ? mine : many + t * mp * 16;
+                    if (i0 == 0) std::memset(sums, 0, size);
+                    for (int64_t r0 = 0; r0 < m; r0 += AMX_BLOCK) {
+                        const int64_t rows = m - r0 < AMX_BLOCK ? m - r0 : AMX_BLOCK;
+                        q8_tile_amx(packed + t * k * 16, x + r0 * k, sx + r0 * groups, xs + r0 * groups, k, i0 / 32,
+                                    i1 / 32, rows, sums + r0 * 16);
+                    }
+                    if (i1 == k) {
+                        scale_sums(sums, m, scale + t * 16);
+                        finish(sums, m, bias ? bias + t * 16 : nullptr, out, out_bf16, t * 16, n);
+                    }
                 }
             }
             _tile_release();
+            std::free(mine);
         }
+        std::free(many);
         delete[] pad;
         return;
     }
