@@ -160,6 +160,7 @@ def describe_model(model) -> dict | None:
     param = next(model.parameters(), None)
     linears = sorted({f"{type(m).__module__}.{type(m).__name__}:{'exact' if is_exact_linear(m) else 'plain'}"
                       + (f":dense>={m.dense_rows}" if getattr(m, "dense_rows", None) is not None else "")
+                      + (":prompt-tiles" if getattr(m, "prompt_tiles", False) else "")
                       # pacer's kernels: their ABI, which changes with their numerics and speed
                       + (f":{m.kernel}-kernel-abi{kernels.ABI}" if getattr(m, "kernel", "torch") != "torch" else "")
                       for m in model.modules() if "Linear" in type(m).__name__})

@@ -190,6 +190,47 @@ def test_a_long_prompt_on_the_tiles_goes_over_its_inputs_in_chunks_with_the_rows
             assert torch.equal(layer(x[:, :rows]), alone[:, :rows]), rows
 
 
+def test_a_prompt_on_the_bf16_tiles_is_each_rows_own_and_the_grids_product():
+    """kernels.int4_matmul_bf16 (a draft's prompt on AMX-BF16 tiles): each row's result is its own (the same bits in
+    calls of 32, 33, 47 and 64 rows, one thread or two), in float32 it is x times the layer's bf16 grid (the values
+    Int4Linear's dense copy holds) to float rounding, plus the bias, and in bf16 that result rounded as torch rounds
+    it. An Int4Linear with `prompt_tiles` sends calls of BF16_TILE_ROWS rows or more there, and shorter ones to the
+    int8 path, bitwise."""
+    if not kernels.bf16_tiles_available():
+        pytest.skip("no AMX-BF16 tiles here (CPU, compiler or kernel)")
+    from modeling_pacer.cpu.quantization import int4_grid
+
+    torch.manual_seed(7)
+    layer = Int4Linear.from_linear(torch.nn.Linear(320, 48, bias=True), kernel="pacer")
+    codes, scales, zeros = kernels.unpack_int4(layer.packed_weight, layer.scales_and_zeros)
+    grid = int4_grid(codes, scales.to(torch.bfloat16), zeros.to(torch.bfloat16), 32).to(torch.bfloat16).float()
+    x = torch.randn(64, 320, dtype=torch.bfloat16) * 3
+    x[5] = 0
+    matmul = lambda rows, dtype=torch.float32: kernels.int4_matmul_bf16(  # noqa: E731
+        rows, layer.packed_weight, layer.scales_and_zeros, 48, layer.bias_float, dtype=dtype)
+    full = matmul(x)
+    exact = x.float() @ grid.t() + layer.bias_float
+    assert torch.allclose(full, exact, rtol=0, atol=1e-5 * float(exact.abs().max()))
+    assert torch.equal(matmul(x, torch.bfloat16), full.to(torch.bfloat16))
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for rows in (32, 33, 47, 64):
+                assert torch.equal(matmul(x[:rows]), full[:rows]), (n, rows)
+            assert torch.equal(matmul(torch.cat([x[9:10]] * 40))[17], full[9])  # a row among copies of itself
+    finally:
+        torch.set_num_threads(threads)
+    layer.prompt_tiles = True
+    with torch.no_grad():
+        assert torch.equal(layer(x[:kernels.BF16_TILE_ROWS]).float(),
+                           matmul(x[:kernels.BF16_TILE_ROWS], torch.bfloat16).float())
+        short = x[:kernels.BF16_TILE_ROWS - 1]
+        assert torch.equal(layer(short), kernels.int4_matmul(short, layer.packed_weight, layer.scales_and_zeros, 48,
+                                                             layer.bias_float))
+    assert layer.select_outputs(torch.arange(16)).prompt_tiles
+
+
 EXP_CHECK = r"""
 #include "vnni_matmul.cpp"
 #include <cstdio>

@@ -238,10 +238,13 @@ def test_load_draft_keeps_a_dense_copy_only_for_torchs_int4_kernel(tmp_path, mon
     if kernels.available():
         layers = int4_layers()
         assert layers and all(m.kernel == "pacer" and m.dense_rows is None and m.dense_weight is None for m in layers)
+        # its prompt on AMX-BF16 tiles where the CPU has them (Int4Linear.prompt_tiles; the int8 path elsewhere)
+        assert all(m.prompt_tiles for m in layers)
         assert all(m.dense_rows == 64 for m in int4_layers(dense_rows=64))
     monkeypatch.setattr(kernels, "available", lambda: False)
     layers = int4_layers()
-    assert layers and all(m.kernel == "torch" and m.dense_rows == DRAFT_DENSE_ROWS for m in layers)
+    assert layers and all(m.kernel == "torch" and m.dense_rows == DRAFT_DENSE_ROWS and not m.prompt_tiles
+                          for m in layers)
     assert all(m.dense_rows is None for m in int4_layers(dense_rows=None))
     for bad in (1, "dense", 2.5):
         with pytest.raises(ValueError, match="dense_rows must be"):
@@ -250,12 +253,14 @@ def test_load_draft_keeps_a_dense_copy_only_for_torchs_int4_kernel(tmp_path, mon
 
 @pytest.mark.parametrize("draft_kind", ["int4", "int4-dense", "int8"] + [pytest.param(
     kind, marks=pytest.mark.skipif(not kernels.available(), reason="pacer's kernels are not available"))
-    for kind in ("int4-pacer", "int4-fused")])
-def test_pacer_greedy_equals_int4_target(draft_kind):
+    for kind in ("int4-pacer", "int4-fused")] + [pytest.param(
+        "int4-tiles", marks=pytest.mark.skipif(not kernels.bf16_tiles_available(), reason="no AMX-BF16 tiles here"))])
+def test_pacer_greedy_equals_int4_target(draft_kind, monkeypatch):
     """PACER over an int4 target (every linear layer, LM head included) with an int4 or int8 draft (int4 on
     torch's kernel, with a dense prefill copy, or on pacer's kernel with it, as load_draft makes it): token for
     token the int4 target's own greedy `generate`, several prompts and lengths; "int4-fused": pacer's kernel with
-    the decoder layers fused (modeling_pacer/cpu/fused_layers.py), as load_draft makes it."""
+    the decoder layers fused (modeling_pacer/cpu/fused_layers.py), as load_draft makes it; "int4-tiles": that, and
+    prompts of 40 tokens read on the AMX-BF16 tiles (`prompt_tiles`, as load_draft sets it)."""
     target = enable_pacer(make_exact(quantize_linears(_tiny_qwen2(seed=0).to(torch.bfloat16), "int4")))
     assert isinstance(target.lm_head, Int4Linear)
     draft = _tiny_qwen2(seed=0)
@@ -265,15 +270,24 @@ def test_pacer_greedy_equals_int4_target(draft_kind):
     if draft_kind == "int8":
         draft = quantize_dynamic_int8(draft)
     else:  # "int4-dense", "int4-pacer": prompts of 4 tokens or more are read with the dense copy (load_draft's prefill)
-        draft = quantize_linears(draft.to(torch.bfloat16), "int4", dense_rows=None if draft_kind == "int4" else 4,
-                                 int4_kernel="pacer" if draft_kind in ("int4-pacer", "int4-fused") else "torch")
+        draft = quantize_linears(draft.to(torch.bfloat16), "int4",
+                                 dense_rows=None if draft_kind in ("int4", "int4-tiles") else 4,
+                                 int4_kernel="pacer" if draft_kind in ("int4-pacer", "int4-fused", "int4-tiles") else "torch")
         if draft_kind == "int4-fused":
             from modeling_pacer.cpu.fused_layers import fuse_draft_layers
 
             assert fuse_draft_layers(draft) == 2
+        if draft_kind == "int4-tiles":
+            from modeling_pacer.cpu.fused_layers import fuse_draft_layers
+            from modeling_pacer.cpu.quantization import tile_prompts
+
+            assert fuse_draft_layers(draft) == 2 and tile_prompts(draft) == 15
+    tiled = []
+    bf16_matmul = kernels.int4_matmul_bf16
+    monkeypatch.setattr(kernels, "int4_matmul_bf16", lambda x, *a, **k: tiled.append(x.shape[0]) or bf16_matmul(x, *a, **k))
     g = torch.Generator().manual_seed(1)
     drafted = 0
-    for n in (1, 9):
+    for n in (1, 9) + ((40,) if draft_kind == "int4-tiles" else ()):
         ids = torch.randint(0, 96, (1, n), generator=g)
         for new in (5, 24):
             expected = target.generate(ids, do_sample=False, max_new_tokens=new)
@@ -283,6 +297,9 @@ def test_pacer_greedy_equals_int4_target(draft_kind):
                 assert out.sequences.tolist() == expected.tolist(), (n, new, policy)
                 drafted += sum(s.drafted for s in out.pacer_stats.steps)
     assert drafted > 0
+    # the draft's first calls after the 40-token prompts (the prompt and the target's first token) went to the tiles,
+    # none of the shorter ones
+    assert (tiled and min(tiled) >= 40) if draft_kind == "int4-tiles" else not tiled
 
 
 def test_load_pair_refuses_what_cannot_be_4_bit(tmp_path):
@@ -351,3 +368,35 @@ def test_weights_on_huge_pages_are_the_same_weights():
     assert len(blocks) == 1
     assert moved >= sum(t.numel() * t.element_size() for (_, name), t in before.items() if name != "dense_weight")
     assert place_on_huge_pages(torch.nn.Linear(4, 4)) == 0
+
+
+@pytest.mark.skipif(not kernels.bf16_tiles_available(), reason="no AMX-BF16 tiles here")
+def test_the_int8_prompt_method_is_pacer_with_the_drafts_prompt_untiled(monkeypatch):
+    """pacer-bench's pacer-int8-prompt (quantization.untiled_prompts): the same tokens as pacer (the target's own),
+    the draft's 40-token prompt on the int8 path inside the block, on the tiles before and after it (and after an
+    error in it)."""
+    from modeling_pacer.benchmarks.methods import all_methods, run_method
+    from modeling_pacer.cpu.quantization import tile_prompts, untiled_prompts
+
+    target = enable_pacer(make_exact(quantize_linears(_tiny_qwen2(seed=0).to(torch.bfloat16), "int4")))
+    draft = quantize_linears(_tiny_qwen2(seed=0).to(torch.bfloat16), "int4", int4_kernel="pacer")
+    assert tile_prompts(draft) == 15
+    tiled = []
+    monkeypatch.setattr(kernels, "int4_matmul_bf16",
+                        lambda x, *a, _f=kernels.int4_matmul_bf16, **k: tiled.append(x.shape[0]) or _f(x, *a, **k))
+    methods = all_methods()
+    for name in ("pacer", "pacer-int8-prompt"):
+        methods[name].policy, methods[name].needs_head, methods[name].needs_costs = lambda *c: FixedLength(3), False, False
+    ids = torch.randint(0, 96, (1, 40), generator=torch.Generator().manual_seed(5))
+    expected = target.generate(ids, do_sample=False, max_new_tokens=20)
+    out, _ = run_method(methods["pacer"], target, draft, None, ids, 20)
+    assert tiled and out.tolist() == expected.tolist()
+    tiled.clear()
+    out, _ = run_method(methods["pacer-int8-prompt"], target, draft, None, ids, 20)
+    assert not tiled and out.tolist() == expected.tolist()
+    assert all(m.prompt_tiles for m in draft.modules() if isinstance(m, Int4Linear))
+    with pytest.raises(RuntimeError):
+        with untiled_prompts(draft):
+            assert not any(m.prompt_tiles for m in draft.modules() if isinstance(m, Int4Linear))
+            raise RuntimeError
+    assert all(m.prompt_tiles for m in draft.modules() if isinstance(m, Int4Linear))

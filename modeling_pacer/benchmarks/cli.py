@@ -522,9 +522,10 @@ def run_replay(args) -> dict:
     head = _load_head(args.head)
     # a method that looks tokens up drafts from the live sequence, and one whose draft reads a window of the prompt
     # or computes fewer tokens drafts otherwise than the traces' draft did: none is replayed (nor a layerwise one:
-    # its decisions are its method's, only its kernels' calls differ)
+    # its decisions are its method's, only its kernels' calls differ; nor one with the draft's prompt untiled)
     methods = [m for m in _available_methods(args, head, announce=True)
-               if m.policy is not None and not m.lookup and not m.draft_window and not m.draft_vocab and not m.layerwise]
+               if m.policy is not None and not m.lookup and not m.draft_window and not m.draft_vocab and not m.layerwise
+               and not m.int8_prompt]
     rules = [_rule_method(settings) for settings in args.rules]
     if head is None and any(rule.needs_head for rule in rules):
         raise ValueError(f"--rules: {[r.name for r in rules if r.needs_head]} read a head: pass --head.")

@@ -45,6 +45,7 @@ class Method:
     draft_vocab: int = 0  # > 0: the draft's LM head computes only this many tokens (modeling_pacer.draft_vocab)
     draft_head: object = None  # that head, built from the draft's own by the run (draft_vocab.reduced_head)
     layerwise: bool = False  # fused models call their layers' kernels one layer at a time (fused_layers.layer_by_layer)
+    int8_prompt: bool = False  # the int4 draft reads its prompt on the int8 path, not the bf16 tiles (untiled_prompts)
 
     def make_policy(self, costs=None) -> StoppingPolicy:
         """A fresh policy; a cost-aware one gets `costs`, else the method's own (the live run's)."""
@@ -59,7 +60,7 @@ class Method:
     def opt_in(self) -> bool:
         """Chosen only when `--methods` names it: it needs an optional extra (llama.cpp), a fused target, or a
         head the run builds for it (a reduced draft vocabulary)."""
-        return self.family in ("llamacpp", "unfused") or self.draft_vocab > 0 or self.layerwise
+        return self.family in ("llamacpp", "unfused") or self.draft_vocab > 0 or self.layerwise or self.int8_prompt
 
     @property
     def own_numerics(self) -> bool:
@@ -131,6 +132,9 @@ def all_methods(gammas=(1, 2, 3, 4, 5, 6), head_config=None, costs=None, do_samp
                 needs_costs=head_config is not None and head_rule(head_config, do_sample)[0] == "throughput")
           for n in DRAFT_VOCABS for k in (0, 128)],
         replace(pacer, name="pacer-layerwise", layerwise=True),
+        # opt-in: PACER with the int4 draft's prompt on the int8 path where it would go to the AMX-BF16 tiles: the same
+        # policy and target, the draft's prompt computed as before the tiles (what they save)
+        replace(pacer, name="pacer-int8-prompt", int8_prompt=True),
         _ours("pacer-blocks", lambda: Pacer.from_config(head_config), needs_head=True),  # the paper's block rule
         _ours("throughput", lambda c: ExpectedThroughput(c, "draft", longest), costs=costs, needs_costs=True),
         _ours("pacer-throughput", lambda c: ExpectedThroughput(c, "head", longest), needs_head=True, costs=costs,
@@ -199,6 +203,12 @@ def run_method(method: Method, target, draft, head, input_ids: torch.Tensor, max
 
         with layer_by_layer(target, draft):
             return run_method(replace(method, layerwise=False), target, draft, head, input_ids, max_new_tokens,
+                              llamacpp, sampling)
+    if method.int8_prompt:
+        from ..cpu.quantization import untiled_prompts
+
+        with untiled_prompts(draft):
+            return run_method(replace(method, int8_prompt=False), target, draft, head, input_ids, max_new_tokens,
                               llamacpp, sampling)
     if method.family == "target":
         return GenerationMixin.generate(target, input_ids, **settings), None

@@ -107,6 +107,10 @@ class Int4Linear(nn.Module):
         if dense_rows is not None and dense_rows < 2:
             raise ValueError(f"Int4Linear: dense_rows must be at least 2 (or None), got {dense_rows}")
         self.dense_rows = dense_rows
+        # kernel="pacer": calls of kernels.BF16_TILE_ROWS rows or more (a draft's prompt) on AMX-BF16 tiles over the
+        # weights dequantized once a call ([`kernels.int4_matmul_bf16`]) where this CPU has them; a draft's setting
+        # (load_draft's), never an exact target's: it makes long calls compute rows differently from short ones
+        self.prompt_tiles = False
         dense = None
         if dense_rows is not None:  # the grid the kernel computes with: its scales and zeros are bf16
             dense = int4_grid(codes, scales.to(torch.bfloat16), zeros.to(torch.bfloat16), group_size).to(torch.bfloat16)
@@ -142,7 +146,9 @@ class Int4Linear(nn.Module):
                              f"0..{self.out_features - 1}, a multiple of {OUT_MULTIPLE} of them; got {rows.numel()}")
         codes, scales, zeros = kernels.unpack_int4(self.packed_weight, self.scales_and_zeros)
         bias = None if self.bias is None else self.bias[rows]
-        return Int4Linear(codes[rows], scales[rows], zeros[rows], bias, self.group_size, self.dense_rows, self.kernel)
+        layer = Int4Linear(codes[rows], scales[rows], zeros[rows], bias, self.group_size, self.dense_rows, self.kernel)
+        layer.prompt_tiles = self.prompt_tiles
+        return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kernels.require_cpu(x, self.packed_weight)  # torch's int4 op and pacer's kernel are both CPU-only
@@ -151,7 +157,11 @@ class Int4Linear(nn.Module):
             out = nn.functional.linear(flat, self.dense_weight, self.bias)
             return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
         if self.kernel == "pacer":
-            out = kernels.int4_matmul(flat, self.packed_weight, self.scales_and_zeros, self.out_features, self.bias_float)
+            if self.prompt_tiles and flat.shape[0] >= kernels.BF16_TILE_ROWS and kernels.bf16_tiles_available():
+                matmul = kernels.int4_matmul_bf16
+            else:
+                matmul = kernels.int4_matmul
+            out = matmul(flat, self.packed_weight, self.scales_and_zeros, self.out_features, self.bias_float)
             return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed_weight, self.group_size, self.scales_and_zeros)
         if self.bias is not None:
@@ -160,6 +170,7 @@ class Int4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         dense = f", dense_rows={self.dense_rows}" if self.dense_rows is not None else ""
+        dense += ", prompt_tiles=True" if self.prompt_tiles else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, " \
                f"bias={self.bias is not None}{dense}, kernel={self.kernel}"
 
@@ -394,6 +405,29 @@ def int4_shape_ok(linear: nn.Linear) -> bool:
 
 
 LINEAR_KINDS = {"int4": Int4Linear, "int8": Int8Linear, "w4a8": W4A8Linear, "w8a8": W8A8Linear}
+
+
+def tile_prompts(model: nn.Module) -> int:
+    """A draft's long calls (its prompt) on AMX-BF16 tiles: `prompt_tiles` on every Int4Linear of `model` that runs
+    pacer's kernel ([`Int4Linear`]); a CPU without the tiles keeps the int8 path. Returns how many layers."""
+    layers = [m for m in model.modules() if isinstance(m, Int4Linear) and m.kernel == "pacer"]
+    for layer in layers:
+        layer.prompt_tiles = True
+    return len(layers)
+
+
+@contextlib.contextmanager
+def untiled_prompts(model: nn.Module):
+    """Within: every Int4Linear of `model` with `prompt_tiles` reads long calls on the int8 path instead ([`tile_prompts`]
+    undone), restored on leaving. For measuring what the tiles save (`pacer-bench run --methods pacer-int8-prompt`)."""
+    layers = [m for m in model.modules() if isinstance(m, Int4Linear) and m.prompt_tiles]
+    for layer in layers:
+        layer.prompt_tiles = False
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.prompt_tiles = True
 
 
 def quantize_linears(model: nn.Module, kind: str = "int4", *, dense_rows: int | None = None,

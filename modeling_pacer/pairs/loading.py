@@ -341,7 +341,7 @@ def load_draft(source: ModelSource | str, dtype: torch.dtype, quantize_draft: st
         if quantize_draft == "int8":
             draft_model = quantize_dynamic_int8(draft_model)
         else:
-            from ..cpu.quantization import place_on_huge_pages, quantize_linears
+            from ..cpu.quantization import place_on_huge_pages, quantize_linears, tile_prompts
 
             from ..cpu import kernels
 
@@ -351,6 +351,8 @@ def load_draft(source: ModelSource | str, dtype: torch.dtype, quantize_draft: st
             if dense_rows == "auto":
                 dense_rows = None if kernel == "pacer" else DRAFT_DENSE_ROWS
             draft_model = quantize_linears(draft_model, "int4", dense_rows=dense_rows, int4_kernel=kernel)
+            # its prompt on AMX-BF16 tiles where the CPU has them (about twice the int8 path's speed from 64 tokens)
+            tile_prompts(draft_model)
             place_on_huge_pages(draft_model)  # its int4 weights, streamed once a step
             from ..cpu.fused_layers import fuse_draft_layers
 

@@ -18,6 +18,7 @@ namespace {
 int64_t kernel_abi() { return pacer_kernel_abi(); }
 bool vnni_available() { return pacer_vnni_available() != 0; }
 bool amx_available() { return pacer_amx_available() != 0; }
+bool bf16_tiles_available() { return pacer_bf16_tiles_available() != 0; }
 int64_t set_amx_rows(int64_t rows) { return pacer_set_amx_rows(rows); }
 
 #ifdef PACER_VNNI
@@ -63,6 +64,15 @@ at::Tensor int4_matmul(const at::Tensor& packed, const at::Tensor& sz, int64_t n
     auto out = output(q.size(0), n, bf16);
     pacer_i4_matmul(in<uint8_t>(packed), in<uint16_t>(sz), n, q.size(1), in<int8_t>(q), in<float>(scale),
                     in<int16_t>(sums), q.size(0), maybe(bias), bf16, out.mutable_data_ptr());
+    return out;
+}
+
+at::Tensor int4_matmul_bf16(const at::Tensor& packed, const at::Tensor& sz, int64_t n, const at::Tensor& x,
+                            const std::optional<at::Tensor>& bias, bool bf16) {
+    TORCH_CHECK(pacer_bf16_tiles_available(), "pacer: int4_matmul_bf16 needs AMX-BF16 tiles (bf16_tiles_available)");
+    auto out = output(x.size(0), n, bf16);
+    pacer_i4_matmul_bf16(in<uint8_t>(packed), in<uint16_t>(sz), n, x.size(1), in<uint16_t>(x), x.size(0), maybe(bias),
+                         bf16, out.mutable_data_ptr());
     return out;
 }
 
@@ -219,6 +229,7 @@ TORCH_LIBRARY(pacer, m) {
     m.def("kernel_abi() -> int", &kernel_abi);
     m.def("vnni_available() -> bool", &vnni_available);
     m.def("amx_available() -> bool", &amx_available);
+    m.def("bf16_tiles_available() -> bool", &bf16_tiles_available);
     m.def("set_amx_rows(int rows) -> int", &set_amx_rows);
 #ifdef PACER_VNNI
     m.def("quantize_rows(Tensor x, int block) -> (Tensor, Tensor, Tensor)");
@@ -228,6 +239,7 @@ TORCH_LIBRARY(pacer, m) {
           "bool bf16) -> Tensor");
     m.def("int4_matmul(Tensor packed, Tensor sz, int n, Tensor q, Tensor scale, Tensor sums, Tensor? bias, "
           "bool bf16) -> Tensor");
+    m.def("int4_matmul_bf16(Tensor packed, Tensor sz, int n, Tensor x, Tensor? bias, bool bf16) -> Tensor");
     m.def("exact_attention(Tensor query, Tensor key, Tensor value, Tensor lo, Tensor hi, float scaling) -> Tensor");
     m.def("layer_qkv(Tensor hidden, Tensor norm, float eps, int[] kinds, Tensor[] packed, Tensor[] a, Tensor?[] mn, "
           "Tensor?[] dd, Tensor?[] bias, int[] n, Tensor cos, Tensor sin, int head_dim) -> (Tensor, Tensor, Tensor)");
@@ -248,6 +260,7 @@ TORCH_LIBRARY_IMPL(pacer, CPU, m) {
     m.impl("q4k_matmul", &q4k_matmul);
     m.impl("q8_matmul", &q8_matmul);
     m.impl("int4_matmul", &int4_matmul);
+    m.impl("int4_matmul_bf16", &int4_matmul_bf16);
     m.impl("exact_attention", &exact_attention);
     m.impl("layer_qkv", &layer_qkv);
     m.impl("layer_qkv_cached", &layer_qkv_cached);

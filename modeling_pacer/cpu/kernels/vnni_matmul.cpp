@@ -724,6 +724,125 @@ extern "C" void pacer_i4_matmul(const uint8_t* packed, const uint16_t* sz, int64
     }
 }
 
+// A draft's prompt on bf16 tiles (Int4Linear(prompt_tiles=True); AMX-BF16 and AVX512-BF16): the int8 path above
+// spends most of a prompt's time scaling each group's integer sums row by row in float (torch's int4 format has a
+// float scale and zero every 32 inputs). Here each tile's weights are dequantized once a call, w = (q - 8) * s + z
+// rounded to bf16 (the grid's own values, as Int4Linear's dense copy holds them), and the bf16 rows of the prompt
+// (not quantized) are multiplied on the tiles (tdpbf16ps: 16 rows x 32 inputs against 32 inputs x 16 outputs, float
+// sums), each output's sum kept in its tile over all the inputs: no work per group and row. The numbers are not the
+// int8 path's (a draft's choice: they change which tokens it proposes, never the output); each row's are its own,
+// the same instructions in the same order whatever the call (rows past 16) or the thread count.
+#if defined(PACER_AMX) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define PACER_BF16_TILES 1
+
+// one group (32 inputs) of a tile of 16 outputs: packed (256 bytes, as i4_tile reads them), sz (s[16], z[16] bf16
+// bits) -> b: tile B for tdpbf16ps, 16 rows x 16 outputs x 2 bf16 (row i: inputs 2i, 2i + 1 of each output)
+static void i4_group_bf16(const uint8_t* packed, const uint16_t* sz, uint16_t* b) {
+    const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)sz)), 16));
+    const __m512 z = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(sz + 16))), 16));
+    const __m512i low = _mm512_set1_epi32(0x0F), eight = _mm512_set1_epi32(8);
+    for (int j = 0; j < 4; ++j) {
+        const __m512i v = _mm512_loadu_si512((const void*)(packed + j * 64));
+        for (int half = 0; half < 2; ++half) {  // step j (low nibbles), step j + 4 (high)
+            const int step = j + 4 * half;
+            __m512i w[4];  // input 4 step + i of each output, as bf16 bits in 32-bit lanes
+            for (int i = 0; i < 4; ++i) {
+                const __m512i q = _mm512_and_si512(_mm512_srli_epi32(v, 8 * i + 4 * half), low);
+                const __m512 f = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(q, eight)), s), z);
+                w[i] = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(f));
+            }
+            _mm512_store_si512((void*)(b + (2 * step) * 32), _mm512_or_si512(w[0], _mm512_slli_epi32(w[1], 16)));
+            _mm512_store_si512((void*)(b + (2 * step + 1) * 32), _mm512_or_si512(w[2], _mm512_slli_epi32(w[3], 16)));
+        }
+    }
+}
+
+// tiles 0-3: sums (16 rows x 16 floats) of row blocks 0/1 x output tiles 0/1; 4-5: the two row blocks' activations
+// (16 rows x 32 bf16); 6-7: the two output tiles' weights (16 rows x 64 bytes). Four independent chains of products,
+// each weight and activation tile loaded once for two products.
+static void tile_config_bf16() {
+    TileConfig c;
+    for (int t = 0; t < 8; ++t) { c.colsb[t] = 64; c.rows[t] = 16; }
+    _tile_loadconfig(&c);
+}
+
+extern "C" int pacer_bf16_tiles_available() { return amx_permitted() ? 1 : 0; }
+
+// x: (m, k) bf16; out and bias as pacer_i4_matmul's. k a multiple of 32, n of 16.
+extern "C" void pacer_i4_matmul_bf16(const uint8_t* packed, const uint16_t* sz, int64_t n, int64_t k, const uint16_t* x,
+                                     int64_t m, const float* bias, int out_bf16, void* out) {
+    const int64_t tiles = n / 16, groups = k / 32, mp = (m + AMX_BLOCK - 1) / AMX_BLOCK * AMX_BLOCK;
+    uint16_t* pad = nullptr;  // rows past the call's end read zeros
+    if (mp != m) {
+        pad = new uint16_t[mp * k];
+        std::memcpy(pad, x, m * k * sizeof(uint16_t));
+        std::memset(pad + m * k, 0, (mp - m) * k * sizeof(uint16_t));
+    }
+    const uint16_t* xa = pad ? pad : x;
+    const int64_t lda = k * sizeof(uint16_t);
+#pragma omp parallel
+    {
+        tile_config_bf16();
+        uint16_t* wb = static_cast<uint16_t*>(std::aligned_alloc(64, 2 * groups * 512 * sizeof(uint16_t)));
+        alignas(64) float c[4][16 * 16];
+#pragma omp for schedule(static)
+        for (int64_t pair = 0; pair < (tiles + 1) / 2; ++pair) {
+            const int64_t t0 = 2 * pair;
+            const bool two_tiles = t0 + 1 < tiles;
+            uint16_t* w0 = wb;
+            uint16_t* w1 = wb + groups * 512;
+            for (int64_t g = 0; g < groups; ++g) {
+                i4_group_bf16(packed + (t0 * groups + g) * 256, sz + (t0 * groups + g) * 32, w0 + g * 512);
+                if (two_tiles)
+                    i4_group_bf16(packed + ((t0 + 1) * groups + g) * 256, sz + ((t0 + 1) * groups + g) * 32, w1 + g * 512);
+            }
+            for (int64_t r0 = 0; r0 < mp; r0 += 2 * AMX_BLOCK) {
+                const bool two_blocks = r0 + AMX_BLOCK < mp;
+                const uint16_t* a0 = xa + r0 * k;
+                const uint16_t* a1 = a0 + AMX_BLOCK * k;
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int64_t g = 0; g < groups; ++g) {
+                    _tile_loadd(6, w0 + g * 512, 64);
+                    _tile_loadd(4, a0 + g * 32, lda);
+                    _tile_dpbf16ps(0, 4, 6);
+                    if (two_tiles) {
+                        _tile_loadd(7, w1 + g * 512, 64);
+                        _tile_dpbf16ps(1, 4, 7);
+                    }
+                    if (two_blocks) {
+                        _tile_loadd(5, a1 + g * 32, lda);
+                        _tile_dpbf16ps(2, 5, 6);
+                        if (two_tiles) _tile_dpbf16ps(3, 5, 7);
+                    }
+                }
+                _tile_stored(0, c[0], 64);
+                _tile_stored(1, c[1], 64);
+                _tile_stored(2, c[2], 64);
+                _tile_stored(3, c[3], 64);
+                for (int blk = 0; blk < (two_blocks ? 2 : 1); ++blk) {
+                    const int64_t first = r0 + blk * AMX_BLOCK;
+                    if (first >= m) break;
+                    const int64_t rows = m - first < AMX_BLOCK ? m - first : AMX_BLOCK;
+                    for (int tt = 0; tt < (two_tiles ? 2 : 1); ++tt)
+                        finish(c[2 * blk + tt], rows, bias ? bias + (t0 + tt) * 16 : nullptr, out, out_bf16,
+                               first * n + (t0 + tt) * 16, n);
+                }
+            }
+        }
+        _tile_release();
+        std::free(wb);
+    }
+    delete[] pad;
+}
+#else
+extern "C" int pacer_bf16_tiles_available() { return 0; }
+extern "C" void pacer_i4_matmul_bf16(const uint8_t*, const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t,
+                                     const float*, int, void*) {}
+#endif
+
 // Attention for causal decoders, one query row at a time (pacer_exact's rule: a row's result must not depend on
 // the rows computed with it). q (B, H, M, D) bf16, contiguous; k and v (B, KV, L, D) bf16, each head's L rows of D
 // contiguous and `kv_stride` elements apart (L * D where the tensors are contiguous; a cache's capacity times D where
@@ -1044,5 +1163,6 @@ extern "C" void pacer_decoder_layers(const uint16_t* h, int64_t m, int64_t hidde
 #else
 extern "C" int pacer_vnni_available() { return 0; }
 extern "C" int pacer_amx_available() { return 0; }
+extern "C" int pacer_bf16_tiles_available() { return 0; }
 extern "C" int64_t pacer_set_amx_rows(int64_t) { return 0; }
 #endif
