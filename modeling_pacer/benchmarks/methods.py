@@ -120,16 +120,10 @@ def all_methods(gammas=(1, 2, 3, 4, 5, 6), head_config=None, costs=None, do_samp
               needs_head=True),
         pacer,
         # the same, the draft reading only the prompt's last K tokens: its prefill costs K tokens
-        *[_ours(f"pacer-window-{k}", lambda *c: make_policy(None, head_config, *c, do_sample=do_sample),
-                needs_head=True, costs=costs, draft_window=k,
-                needs_costs=head_config is not None and head_rule(head_config, do_sample)[0] == "throughput")
-          for k in DRAFT_WINDOWS],
+        *[replace(pacer, name=f"pacer-window-{k}", draft_window=k) for k in DRAFT_WINDOWS],
         # the same, the draft's LM head over its most frequent tokens only: a cheaper draft step (its costs measured
         # with that head by the run)
-        *[_ours(f"pacer{'-window-' + str(k) if k else ''}-vocab-{n}",
-                lambda *c: make_policy(None, head_config, *c, do_sample=do_sample), needs_head=True, costs=costs,
-                draft_window=k, draft_vocab=n,
-                needs_costs=head_config is not None and head_rule(head_config, do_sample)[0] == "throughput")
+        *[replace(pacer, name=f"pacer{'-window-' + str(k) if k else ''}-vocab-{n}", draft_window=k, draft_vocab=n)
           for n in DRAFT_VOCABS for k in (0, 128)],
         replace(pacer, name="pacer-layerwise", layerwise=True),
         # opt-in: PACER with the int4 draft's prompt on the int8 path where it would go to the AMX-BF16 tiles: the same
