@@ -131,3 +131,34 @@ def test_head_default_rule_for_sampling_is_the_one_its_config_names(models):
     greedy = target.generate(PROMPT, assistant_model=draft, pacer_head=head, pacer_costs=costs, max_new_tokens=NEW,
                              return_dict_in_generate=True)
     assert greedy.pacer_stats.policy.startswith("ExpectedThroughput(estimate='draft'")
+
+
+def test_the_sampler_draws_each_token_at_its_probability_and_never_one_of_probability_zero():
+    """pacer's one-sample draw (the inverse of the cumulative sum at one uniform number): counts fit the
+    probabilities (unnormalised, as a row of processed scores' softmax may be to rounding), tokens of probability
+    0 are never drawn, and the same counts do not fit another distribution (the test's power)."""
+    from modeling_pacer.custom_generate.generate import sample
+
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.2, 0.3, 0.0]]) * 3.0
+    torch.manual_seed(0)
+    draws = [int(sample(probs)) for _ in range(RUNS)]
+    counts = {(t,): draws.count(t) for t in set(draws)}
+    assert set(draws) <= {1, 3, 4}
+    assert _chi_square_p_value(counts, {(1,): 0.5, (3,): 0.2, (4,): 0.3}, RUNS) > 1e-3
+    assert _chi_square_p_value(counts, {(1,): 0.4, (3,): 0.3, (4,): 0.3}, RUNS) < 1e-6
+
+
+def test_the_sampler_draws_again_where_the_uniform_number_reaches_the_total(monkeypatch):
+    """u = r x total can round up to the total (r < 1 by a hair): past every interval, where the last token (here of
+    probability 0) would be drawn; the sampler draws again instead."""
+    from modeling_pacer.custom_generate.generate import sample
+
+    real_rand, calls = torch.rand, []
+
+    def rand(*args, **kwargs):
+        calls.append(1)
+        return real_rand(*args, **kwargs) * 0 + 1.0 if len(calls) == 1 else real_rand(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "rand", rand)
+    token = sample(torch.tensor([[0.25, 0.75, 0.0]]))
+    assert len(calls) == 2 and int(token) in (0, 1)

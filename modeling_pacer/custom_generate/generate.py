@@ -166,10 +166,28 @@ def entropy(probs: torch.Tensor) -> torch.Tensor:
     return -(probs * torch.log(probs.clamp_min(1e-30))).sum(-1)
 
 
+def sample(probs: torch.Tensor) -> torch.LongTensor:
+    """`(1, vocab)` probabilities (any positive total) -> `(1, 1)` a token drawn from them.
+
+    The inverse of their cumulative sum at one uniform number: token i is drawn when u falls in
+    [cdf[i-1], cdf[i]), an interval as long as its probability (empty for a probability of 0). The sums are
+    float64, so each token's share is its float32 probability to about 1e-11 of the total. The distribution
+    is torch.multinomial's; its one-sample path draws an exponential number per vocabulary entry instead, a
+    tenth of the speed over a 151,936-token row on a CPU.
+    """
+    cdf = probs.double().cumsum(-1)
+    total = cdf[..., -1:]
+    while True:
+        u = torch.rand(total.shape, dtype=cdf.dtype, device=cdf.device) * total
+        token = torch.searchsorted(cdf, u, right=True)
+        if int(token) < cdf.shape[-1]:  # u rounded up to the total (about 1 in 2**53): draw again
+            return token
+
+
 def _pick(scores: torch.Tensor, do_sample: bool) -> torch.LongTensor:
     """`(1, vocab)` processed scores -> `(1, 1)` next token."""
     if do_sample:
-        return torch.multinomial(scores.softmax(-1), num_samples=1)
+        return sample(scores.softmax(-1))
     return scores.argmax(-1, keepdim=True)
 
 
@@ -286,8 +304,8 @@ def propose(
         if padding:  # the target's padding ids: probability 0 in the draft's row
             logits = torch.nn.functional.pad(logits, (0, padding), value=float("-inf"))
         score = logits_processor(seq, logits)
-        token = _pick(score, do_sample)
         dist = score.softmax(-1)
+        token = sample(dist) if do_sample else score.argmax(-1, keepdim=True)
         tokens.append(token)
         scores.append(score)
         probs.append(dist[0, token[0, 0]])
