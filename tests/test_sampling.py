@@ -162,3 +162,11 @@ def test_the_sampler_draws_again_where_the_uniform_number_reaches_the_total(monk
     monkeypatch.setattr(torch, "rand", rand)
     token = sample(torch.tensor([[0.25, 0.75, 0.0]]))
     assert len(calls) == 2 and int(token) in (0, 1)
+
+
+def test_the_sampler_refuses_probabilities_that_sum_to_zero():
+    """Nothing to draw from: a clear error, not an endless search past the last token."""
+    from modeling_pacer.custom_generate.generate import sample
+
+    with pytest.raises(ValueError, match="sum to 0"):
+        sample(torch.zeros(1, 4))

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from transformers import DynamicCache, GenerationMixin, StoppingCriteriaList, StopStringCriteria
 from transformers.cache_utils import BaseQuantizedLayer, DynamicLayer, LinearAttentionCacheLayerMixin
-from transformers.generation.utils import GenerateDecoderOnlyOutput, _speculative_sampling
+from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .costs import curve_disagrees, fixed_prefix, measure_costs
 from .lookup import NgramLookup
@@ -180,8 +180,11 @@ def sample(probs: torch.Tensor) -> torch.LongTensor:
     while True:
         u = torch.rand(total.shape, dtype=cdf.dtype, device=cdf.device) * total
         token = torch.searchsorted(cdf, u, right=True)
-        if int(token) < cdf.shape[-1]:  # u rounded up to the total (about 1 in 2**53): draw again
+        if int(token) < cdf.shape[-1]:
             return token
+        # u rounded up to the total (about 1 in 2**53): draw again; a total of zero (or NaN) has nothing to draw
+        if not float(total) > 0:
+            raise ValueError(f"sample: the probabilities sum to {float(total)}, not a positive number")
 
 
 def _pick(scores: torch.Tensor, do_sample: bool) -> torch.LongTensor:
@@ -347,6 +350,33 @@ def verify(model, target_cache, ids: torch.LongTensor, proposal: Proposal, logit
     return logits, _process(logits_processor, prefix, logits)
 
 
+def speculative_sample(tokens: torch.LongTensor, draft_scores: torch.Tensor, target_scores: torch.Tensor):
+    """Algorithm 1 of Leviathan et al. (2023), as transformers' `_speculative_sampling` computes it, its one draw made
+    by [`sample`]: the output's distribution is exactly the target's.
+
+    `tokens` `(1, k)` drawn from q = softmax(`draft_scores`) `(1, k, vocab)`; p = softmax(`target_scores`)
+    `(1, k + 1, vocab)`. Draft token i is kept with probability min(1, p_i / q_i) (a uniform r < p_i / q_i), up to
+    the first rejection n; the next token is drawn from the residual max(p_n - q_n, 0) (normalized), or from
+    p_k when every draft token was kept. Returns `(new_tokens (1, n + 1), n)`.
+    """
+    k = tokens.shape[1]
+    q = draft_scores.softmax(-1)[0]
+    p = target_scores.softmax(-1)[0]
+    rows = torch.arange(k, device=tokens.device)
+    ratio = p[rows, tokens[0]] / q[rows, tokens[0]]
+    # r in [0, 1): `<` keeps a token with probability exactly min(1, ratio), never one the target gives 0
+    kept = torch.rand_like(ratio) < ratio
+    n = int((~kept).cumsum(-1).lt(1).sum())
+    following = p[n]
+    if n < k:
+        residual = (p[n] - q[n]).clamp_min(0)
+        # a rejection means p_n(x) < q_n(x) for the drafted x, so some other token has p > q and the residual has mass;
+        # only rounding could leave none, and then p_n itself is the distribution left
+        if float(residual.sum()) > 0:
+            following = residual
+    return torch.cat([tokens[:, :n], sample(following[None])], dim=1), n
+
+
 def accept(ids: torch.LongTensor, proposal: Proposal, target_scores: torch.Tensor, do_sample: bool):
     """Which draft tokens survive, plus one token from the target.
 
@@ -356,11 +386,7 @@ def accept(ids: torch.LongTensor, proposal: Proposal, target_scores: torch.Tenso
     if k == 0:
         return _pick(target_scores[:, 0, :], do_sample), 0
     if do_sample:
-        # transformers' Algorithm 1 of Leviathan et al.: the output distribution is exactly the target's
-        new_tokens, num_accepted = _speculative_sampling(
-            torch.cat([ids, proposal.tokens], dim=1), proposal.scores, k, target_scores
-        )
-        return new_tokens, int(num_accepted)
+        return speculative_sample(proposal.tokens, proposal.scores, target_scores)
     target_tokens = target_scores.argmax(-1)  # (1, k + 1)
     num_accepted = int((proposal.tokens == target_tokens[:, :k]).int().cumprod(dim=1).sum())
     return torch.cat([proposal.tokens[:, :num_accepted], target_tokens[:, num_accepted : num_accepted + 1]], dim=1), num_accepted
