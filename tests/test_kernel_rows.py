@@ -29,7 +29,12 @@ def test_kernel_rows_writes_each_layers_curve_and_its_bound(tmp_path):
             assert rate[r] == pytest.approx(256 * 32 * r / (ms[r] * 1e6))
             assert entry["bound"][str(r)] == pytest.approx(max(ms[1], 256 * 32 * r / (entry["peak_macs_per_ns"] * 1e6)) / ms[1])
             assert 1.0 <= entry["bound"][str(r)] <= max(1.0, entry["ratio"][str(r)]) + 1e-9  # the rate seen is <= peak
-    assert "| w4a8 256x32 |" in (out / "kernel-rows.md").read_text()
+    table = (out / "kernel-rows.md").read_text()
+    assert "| w4a8 256x32 |" in table
+    # the instruction's own rate, once a run, and each layer's best rate as a share of it
+    peak = report["vnni_peak_macs_per_ns"]
+    assert peak > 0
+    assert f"{report['layers'][0]['peak_macs_per_ns'] / peak:.0%} |" in table
 
 
 def test_measure_rows_reports_the_bandwidth_of_one_row(monkeypatch):
@@ -38,7 +43,8 @@ def test_measure_rows_reports_the_bandwidth_of_one_row(monkeypatch):
     [entry] = measure_rows("w8a8", 256, 16, rows=2, repeats=1, stream_bytes=1)
     assert entry["copies"] == 1 and entry["path"] == "default"
     assert entry["gb_per_s"] == pytest.approx(entry["weight_bytes"] / (entry["ms"][1] * 1e6))
-    assert markdown(dict(layers=[entry], command="c", host={"cpu": "x"}, threads=1, amx=False, vnni=True)).count("| w8a8 256x16 |") == 1
+    assert markdown(dict(layers=[entry], command="c", host={"cpu": "x"}, threads=1, amx=False, vnni=True,
+                           vnni_peak_macs_per_ns=100.0)).count("| w8a8 256x16 |") == 1
 
 
 @pytest.mark.parametrize("shape, problem", [("100x64", "divisible by 256"), ("256x20", "out_features by 16"),

@@ -489,3 +489,13 @@ def test_unpack_int4_reads_back_what_pack_int4_packed():
     assert torch.equal(back[0].long(), codes)
     assert torch.equal(back[1], scales.to(torch.bfloat16)) and torch.equal(back[2], zeros.to(torch.bfloat16))
     assert all(torch.equal(a, b) for a, b in zip(kernels.pack_int4(*back), (packed, scales_zeros)))
+
+
+def test_the_vnni_peak_is_a_rate_in_the_instructions_physical_range():
+    """`kernels.vnni_peak`: multiply-adds a ns of vpdpbusd alone; positive, and under what any core could do (64 an
+    instruction, at most 4 instructions a cycle at 6 GHz, a thread); bad arguments refused before any work."""
+    for threads in (1, 2):
+        rate = kernels.vnni_peak(threads=threads, iterations=20_000)
+        assert 0 < rate < 64 * 4 * 6 * threads
+    with pytest.raises(ValueError, match="positive"):
+        kernels.vnni_peak(threads=1, iterations=0)

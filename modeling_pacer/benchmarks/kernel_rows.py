@@ -12,7 +12,10 @@ rows over enough copies of the layer that the weights stream from memory (not ca
 - `macs_per_ns[r]`: the multiply-adds (in_features x out_features x r) per nanosecond the call reaches. Where it
   stops growing with r, the layer is compute-bound: `peak_macs_per_ns` is the highest rate seen, and
   `bound[r]` = max(ms[1], r x macs / peak) / ms[1] is the least ratio any schedule of the same instructions could
-  reach at r rows on this host (weights read once, the dot products at the best rate measured).
+  reach at r rows on this host (weights read once, the dot products at the best rate measured);
+- once per run, `vnni_peak_macs_per_ns`: the rate of VNNI's `vpdpbusd` alone on the same threads
+  ([`kernels.vnni_peak`]), the bound of the VNNI loops (a layer's best rate over it says how close they come; the AMX
+  tiles' rate can pass it).
 
 Timings are medians over `--repeats` rounds in which the row counts are interleaved. Writes `kernel-rows.json` and
 `kernel-rows.md` to `--out`.
@@ -106,15 +109,18 @@ def markdown(report: dict) -> str:
              f"AVX512-VNNI: {report['vnni']}. Per layer: ms per call of r rows (ratio to one row), the one-row call's "
              "bandwidth, the best multiply-add rate seen, and the least ratio at the largest r any schedule could "
              "reach at that rate.", "",
+             f"VNNI's vpdpbusd alone, on the same threads: {report['vnni_peak_macs_per_ns']:.0f} multiply-adds a ns "
+             "(the last column: each layer's best rate over it).", "",
              "| layer | " + " | ".join(f"{r} rows" for r in shown) + " | GB/s at 1 row | peak MACs/ns | "
-             f"bound at {rows[-1]} rows |",
-             "|---|" + "---|" * len(shown) + "---|---|---|"]
+             f"bound at {rows[-1]} rows | of vpdpbusd's rate |",
+             "|---|" + "---|" * len(shown) + "---|---|---|---|"]
     several = len({e.get("path", "default") for e in report["layers"]}) > 1  # label each row with its path
     for e in report["layers"]:
         cells = [f"{e['ms'][r]:.3f} ({e['ratio'][r]:.2f}x)" for r in shown]
         path = f" ({e.get('path', 'default')})" if several else ""
         lines.append(f"| {e['kind']} {e['in_features']}x{e['out_features']}{path} | " + " | ".join(cells) +
-                     f" | {e['gb_per_s']:.1f} | {e['peak_macs_per_ns']:.0f} | {e['bound'][rows[-1]]:.2f}x |")
+                     f" | {e['gb_per_s']:.1f} | {e['peak_macs_per_ns']:.0f} | {e['bound'][rows[-1]]:.2f}x | "
+                     f"{e['peak_macs_per_ns'] / report['vnni_peak_macs_per_ns']:.0%} |")
     return "\n".join(lines) + "\n"
 
 
@@ -128,13 +134,14 @@ def run_kernel_rows(args) -> dict:
         torch.set_num_threads(args.threads)
     flags = (cpuinfo_field("flags") or "").split()
     shapes = [tuple(s) for s in args.shapes]
+    vnni_peak = kernels.vnni_peak()  # before the layers: nothing of theirs in flight
     layers = []
     for kind in args.kinds:
         for k, n in shapes:
             print(f"kernel-rows: {kind} {k}x{n}, 1..{args.rows} rows", file=sys.stderr, flush=True)
             layers += measure_rows(kind, k, n, args.rows, args.repeats, stream_bytes=args.stream_mb << 20,
                                    paths=tuple(args.paths))
-    report = dict(layers=layers, threads=torch.get_num_threads(), amx="amx_int8" in flags,
+    report = dict(layers=layers, threads=torch.get_num_threads(), vnni_peak_macs_per_ns=vnni_peak, amx="amx_int8" in flags,
                   amx_tiles=kernels.amx_available(),
                   vnni="avx512_vnni" in flags, **run_meta(getattr(args, "argv", None)))
     out = Path(args.out)

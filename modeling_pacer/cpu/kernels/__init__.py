@@ -45,7 +45,7 @@ from ...host import build_once, cache_root, cpuinfo_field, private_folder, trust
 SOURCE = Path(__file__).with_name("vnni_matmul.cpp")  # the kernels (raw pointers)
 OPS = Path(__file__).with_name("ops.cpp")  # their torch operators; includes SOURCE
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
-ABI = 14  # pacer_kernel_abi() of the source this module calls
+ABI = 15  # pacer_kernel_abi() of the source this module calls
 
 
 def _torch_flags() -> list[str]:
@@ -193,6 +193,17 @@ def amx_available() -> bool:
     """True where the kernels can use AMX tiles (this CPU has AMX-INT8, the compiler built them, and Linux granted this
     process the tile state). The tiles give every row bitwise what the VNNI loops give it."""
     return available() and bool(_library().amx_available())
+
+
+def vnni_peak(threads: int | None = None, iterations: int = 2_000_000) -> float:
+    """Multiply-adds a ns that `threads` threads (default: torch's) reach running VNNI's `vpdpbusd` alone, 12
+    independent chains each, all at once: the bound no call of the kernels can pass (each does at least one such
+    instruction per 64 multiply-adds). A measurement, as noisy as the host; run it with nothing else computing."""
+    threads = threads or torch.get_num_threads()
+    if threads < 1 or iterations < 1:
+        raise ValueError(f"vnni_peak: threads and iterations must be positive, got {threads} and {iterations}")
+    _library().vnni_peak(iterations // 10, threads)  # warm-up: clocks and the vector units' power-up
+    return float(_library().vnni_peak(iterations, threads))
 
 
 def bf16_tiles_available() -> bool:

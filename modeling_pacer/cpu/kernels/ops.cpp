@@ -8,6 +8,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <chrono>
 #include <string>
 #include <vector>
 
@@ -20,6 +21,18 @@ bool vnni_available() { return pacer_vnni_available() != 0; }
 bool amx_available() { return pacer_amx_available() != 0; }
 bool bf16_tiles_available() { return pacer_bf16_tiles_available() != 0; }
 int64_t set_amx_rows(int64_t rows) { return pacer_set_amx_rows(rows); }
+// the multiply-adds a ns of `threads` threads each running pacer_vnni_peak(iterations) at once (their slowest time)
+double vnni_peak(int64_t iterations, int64_t threads) {
+    double slowest = 0;
+    int64_t done = 0;
+#pragma omp parallel num_threads(threads) reduction(max : slowest) reduction(+ : done)
+    {
+        const auto start = std::chrono::steady_clock::now();
+        done += pacer_vnni_peak(iterations);
+        slowest = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    }
+    return slowest > 0 ? done / slowest / 1e9 : 0.0;
+}
 
 #ifdef PACER_VNNI
 template <typename T>
@@ -231,6 +244,7 @@ TORCH_LIBRARY(pacer, m) {
     m.def("amx_available() -> bool", &amx_available);
     m.def("bf16_tiles_available() -> bool", &bf16_tiles_available);
     m.def("set_amx_rows(int rows) -> int", &set_amx_rows);
+    m.def("vnni_peak(int iterations, int threads) -> float", &vnni_peak);
 #ifdef PACER_VNNI
     m.def("quantize_rows(Tensor x, int block) -> (Tensor, Tensor, Tensor)");
     m.def("q4k_matmul(Tensor packed, Tensor sc, Tensor mn, Tensor dd, int n, Tensor q, Tensor scale, Tensor sums, "

@@ -28,7 +28,7 @@
 #include <immintrin.h>
 #endif
 
-extern "C" int pacer_kernel_abi() { return 14; }
+extern "C" int pacer_kernel_abi() { return 15; }
 
 #ifdef PACER_VNNI
 extern "C" int pacer_vnni_available() { return 1; }
@@ -1160,9 +1160,44 @@ extern "C" void pacer_decoder_layers(const uint16_t* h, int64_t m, int64_t hidde
     }
     delete[] x;
 }
+
+// The instruction's own bound, for measurements (pacer-bench kernel-rows): `iterations` x 12 vpdpbusd on the calling
+// thread, 12 independent accumulators (more than the instruction's latency times its throughput on current cores),
+// written in assembly so that no compiler can fold them. Returns the multiply-adds done (64 an instruction); the
+// caller times the call. Every kernel above does at least one vpdpbusd per 64 multiply-adds, so no call of theirs can
+// run faster than this loop.
+extern "C" int64_t pacer_vnni_peak(int64_t iterations) {
+    int64_t n = iterations;
+    if (n <= 0) return 0;
+    __asm__ volatile(
+        "vpternlogd $0xff, %%zmm14, %%zmm14, %%zmm14\n\t"
+        "vpternlogd $0xff, %%zmm15, %%zmm15, %%zmm15\n\t"
+        "1:\n\t"
+        "vpdpbusd %%zmm14, %%zmm15, %%zmm0\n\t"
+        "vpdpbusd %%zmm14, %%zmm15, %%zmm1\n\t"
+        "vpdpbusd %%zmm14, %%zmm15, %%zmm2\n\t"
+        "vpdpbusd %%zmm14, %%zmm15, %%zmm3\n\t"
+        "vpdpbusd %%zmm14, %%zmm15, %%zmm4\n\t"
+        "vpdpbusd %%zmm14, %%zmm15, %%zmm5\n\t"
+        "vpdpbusd %%zmm14, %%zmm15, %%zmm6\n\t"
+        "vpdpbusd %%zmm14, %%zmm15, %%zmm7\n\t"
+        "vpdpbusd %%zmm14, %%zmm15, %%zmm8\n\t"
+        "vpdpbusd %%zmm14, %%zmm15, %%zmm9\n\t"
+        "vpdpbusd %%zmm14, %%zmm15, %%zmm10\n\t"
+        "vpdpbusd %%zmm14, %%zmm15, %%zmm11\n\t"
+        "dec %0\n\t"
+        "jnz 1b\n\t"
+        "vzeroupper\n\t"
+        : "+r"(n)
+        :
+        : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", "xmm14",
+          "xmm15", "cc");
+    return iterations * 12 * 64;
+}
 #else
 extern "C" int pacer_vnni_available() { return 0; }
 extern "C" int pacer_amx_available() { return 0; }
 extern "C" int pacer_bf16_tiles_available() { return 0; }
 extern "C" int64_t pacer_set_amx_rows(int64_t) { return 0; }
+extern "C" int64_t pacer_vnni_peak(int64_t) { return 0; }
 #endif
