@@ -10,7 +10,7 @@ import itertools
 
 import pytest
 import torch
-from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from modeling_pacer import ExpectedThroughput, FixedLength, Pacer
 from modeling_pacer.costs import CostModel
@@ -24,9 +24,12 @@ PROMPT = torch.tensor([[1, 4, 2, 5]])
 SETTINGS = dict(do_sample=True, temperature=0.8, top_k=4, max_new_tokens=NEW)
 
 
-def _exact_distribution(model) -> dict[tuple[int, ...], float]:
-    """P(t1, t2, t3 | PROMPT) under `model` with the same temperature and top-k as SETTINGS."""
+def _exact_distribution(model, top_p: float | None = None) -> dict[tuple[int, ...], float]:
+    """P(t1, t2, t3 | PROMPT) under `model` with the same temperature and top-k as SETTINGS (then `top_p`, as
+    generate orders them)."""
     processors = LogitsProcessorList([TemperatureLogitsWarper(0.8), TopKLogitsWarper(4)])
+    if top_p is not None:
+        processors.append(TopPLogitsWarper(top_p))
     probs: dict[tuple[int, ...], float] = {}
     with torch.no_grad():
         for seq in itertools.product(range(V), repeat=NEW):
@@ -79,14 +82,15 @@ POLICIES = {
 }
 
 
-def sample_outcomes(target, draft, head, make_policy) -> tuple[dict[tuple[int, ...], int], int, int]:
-    """RUNS seeded PACER runs under SETTINGS: `(count of each 3-token outcome, tokens drafted, tokens accepted)`."""
+def sample_outcomes(target, draft, head, make_policy, **settings) -> tuple[dict[tuple[int, ...], int], int, int]:
+    """RUNS seeded PACER runs under SETTINGS (updated by `settings`): `(count of each 3-token outcome, tokens drafted,
+    tokens accepted)`."""
     counts: dict[tuple[int, ...], int] = {}
     drafted = accepted = 0
     for seed in range(RUNS):
         torch.manual_seed(seed)
         out = target.generate(PROMPT, assistant_model=draft, pacer_head=head, stopping_policy=make_policy(),
-                              return_dict_in_generate=True, **SETTINGS)
+                              return_dict_in_generate=True, **{**SETTINGS, **settings})
         outcome = tuple(out.sequences[0, PROMPT.shape[1]:].tolist())
         counts[outcome] = counts.get(outcome, 0) + 1
         drafted += sum(s.drafted for s in out.pacer_stats.steps)
@@ -103,6 +107,17 @@ def test_sampling_distribution_is_the_targets(models, policy_name):
     assert _chi_square_p_value(counts, target_probs, RUNS) > 1e-3
     # power: the same samples are clearly not from the draft's distribution
     assert _chi_square_p_value(counts, draft_probs, RUNS) < 1e-6
+
+
+def test_sampling_with_top_p_is_the_targets(models):
+    """top-p goes through pacer's shortcut of transformers' warper (processing.py) on every drafted and verified row;
+    the outcomes still follow the target's distribution with top-p, and clearly not the one without it."""
+    target, draft, without_top_p, _ = models
+    counts, drafted, accepted = sample_outcomes(target, draft, make_head(draft, max_draft_length=8), POLICIES["pacer"],
+                                                top_p=0.6)
+    assert 0 < accepted < drafted
+    assert _chi_square_p_value(counts, _exact_distribution(target, top_p=0.6), RUNS) > 1e-3
+    assert _chi_square_p_value(counts, without_top_p, RUNS) < 1e-6
 
 
 def test_sampling_without_draft_help_matches_plain_sampling(models):

@@ -13,7 +13,7 @@ One loop serves every stopping policy (`policies.py` beside this file): per deco
    length, stop strings, ...) and the streamer, and both KV caches are cropped to the accepted prefix.
 
 This folder is published as is as a `custom_generate` repo: its files (this one, `policies.py`, `steps.py`,
-`costs.py`) import only torch, transformers and each other. `generate()` below is the entry point transformers calls for such a repo, and what
+`costs.py`, `lookup.py`, `processing.py`) import only torch, transformers and each other. `generate()` below is the entry point transformers calls for such a repo, and what
 `modeling_pacer.enable_pacer(model)` binds as `model.generate`.
 """
 
@@ -34,6 +34,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .costs import curve_disagrees, fixed_prefix, measure_costs
 from .lookup import NgramLookup
 from .policies import DraftView, ExpectedThroughput, StoppingPolicy, head_policy, make_policy
+from .processing import process, process_rows
 from .steps import (  # noqa: F401 - the loop's step functions
     CACHE_NAMES, cache_kwargs, cache_length, crop_cache, is_static_full_attention, model_forward, new_cache,
     static_cache_supported, wants_static_cache,
@@ -147,18 +148,6 @@ class _Timer:
 _OUTPUT_CACHE_FIELD = next(
     f.name for f in dataclasses.fields(GenerateDecoderOnlyOutput) if f.name in ("cache", "past_key_values")
 )
-
-
-def _process(logits_processor, prefix: torch.LongTensor, logits: torch.Tensor) -> torch.Tensor:
-    """Apply the logits processors to each row of `logits` `(1, n, vocab)`; row i continues
-    `prefix` extended by the first i tokens, exactly as plain decoding would see it.
-
-    `prefix` is `(1, L + n - 1)`: the sequence followed by the n - 1 draft tokens.
-    """
-    n = logits.shape[1]
-    start = prefix.shape[1] - (n - 1)
-    rows = [logits_processor(prefix[:, : start + i], logits[:, i, :]) for i in range(n)]
-    return torch.stack(rows, dim=1)
 
 
 def entropy(probs: torch.Tensor) -> torch.Tensor:
@@ -306,7 +295,7 @@ def propose(
         logits = logits[:, 0, :].to(device)
         if padding:  # the target's padding ids: probability 0 in the draft's row
             logits = torch.nn.functional.pad(logits, (0, padding), value=float("-inf"))
-        score = logits_processor(seq, logits)
+        score = process(logits_processor, seq, logits)
         dist = score.softmax(-1)
         token = _pick(score, do_sample, dist)
         tokens.append(token)
@@ -347,7 +336,7 @@ def verify(model, target_cache, ids: torch.LongTensor, proposal: Proposal, logit
     stats.target_forwards += 1
     logits = logits.to(ids.device)
     prefix = torch.cat([ids, proposal.tokens], dim=1)
-    return logits, _process(logits_processor, prefix, logits)
+    return logits, process_rows(logits_processor, prefix, logits)
 
 
 def speculative_sample(tokens: torch.LongTensor, draft_scores: torch.Tensor, target_scores: torch.Tensor):

@@ -1,0 +1,126 @@
+"""The logits processors of `generate`, applied to each drafted and verified row; exact shortcuts for the costly ones.
+
+Plain decoding processes one row a token; pacer processes every drafted row and every verified row, so a processor's
+cost counts several times a step. Two of transformers' processors spend most of their time on work whose result is
+already known:
+
+- `TopPLogitsWarper` sorts the whole vocabulary (values and indices) to find which tokens' cumulative probability,
+  summed from the least likely up, stays within 1 - top_p. The cumulative sums depend on the sorted *values* alone
+  (a sequence that any correct sort gives, ties included), and the tokens it removes are a prefix of that order. So
+  [`top_p`] builds the same ascending values (a counting sort over 65,536 keys where every score is a bfloat16 value,
+  as a bf16 model's logits are; the finite scores alone after a top-k; else a plain sort), runs transformers' own
+  softmax and cumulative sum over them (the same tensor, so the same bits), and removes every score below the first
+  kept value: exactly transformers' set, unless equal scores straddle the boundary, where which of them an unstable
+  sort places first decides it, and transformers' warper itself is called.
+- `MinNewTokensLengthLogitsProcessor` builds a vocabulary-sized range and an `isin` mask on every call to set the
+  end-of-sequence scores to -inf while too few tokens are out; [`min_new_tokens`] sets them by index.
+
+Every other processor is called as `LogitsProcessorList` calls it. The shortcuts return transformers' values bit for
+bit (tests/test_processing.py compares them on random, tied and bf16 rows); this file imports only torch and
+transformers, like the rest of this folder.
+"""
+
+import inspect
+import math
+
+import torch
+from transformers import LogitsProcessorList, MinNewTokensLengthLogitsProcessor, TopPLogitsWarper
+
+__all__ = ["process", "process_rows", "top_p", "min_new_tokens", "sorted_values"]
+
+
+def _bf16_table(device: torch.device) -> torch.Tensor:
+    """The 65,536 bfloat16 values as float32, in the order of [`_bf16_keys`] (NaNs included, at both ends)."""
+    key = torch.arange(65536, dtype=torch.int32, device=device)
+    bits = torch.where(key >= 0x8000, key - 0x8000, 0xFFFF - key)  # the inverse of _bf16_keys
+    return (bits << 16).view(torch.float32)
+
+
+_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def _bf16_keys(row: torch.Tensor) -> torch.Tensor:
+    """float32 scores that are bfloat16 values -> int64 keys in 0..65535 ordered as the values are (-0.0 just below
+    +0.0, which a sort treats as equal; either order gives the same values)."""
+    top = (row.view(torch.int32) >> 16) & 0xFFFF  # sign, exponent and the 7 bits of mantissa a bf16 keeps
+    return torch.where(top >= 0x8000, 0xFFFF - top, top + 0x8000).long()
+
+
+def sorted_values(row: torch.Tensor) -> torch.Tensor:
+    """The values of a 1-D float32 `row` without NaN in ascending order: `torch.sort(row).values`, without the indices.
+
+    A row of bfloat16 values (every float32 with its low 16 bits zero) is counted into its 65,536 possible values;
+    a row that is mostly -inf sorts its finite scores alone; any other row is sorted whole."""
+    finite = row > float("-inf")
+    count = int(finite.sum())
+    if 0 < count <= row.numel() // 8:
+        rest = torch.sort(row[finite]).values
+        return torch.cat([row.new_full((row.numel() - count,), float("-inf")), rest])
+    if count and bool(((row.view(torch.int32) & 0xFFFF) == 0).all()):
+        table = _TABLES.get(row.device)
+        if table is None:
+            table = _TABLES[row.device] = _bf16_table(row.device)
+        return torch.repeat_interleave(table, torch.bincount(_bf16_keys(row), minlength=65536))
+    return torch.sort(row).values
+
+
+def top_p(warper: TopPLogitsWarper, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+    """`warper(input_ids, scores)`, bit for bit, without sorting the indices (see the module's docstring)."""
+    if scores.dtype != torch.float32 or scores.dim() != 2 or bool(torch.isnan(scores).any()):
+        return warper(input_ids, scores)
+    rows = []
+    for row in scores:
+        ascending = sorted_values(row)[None]
+        # transformers' arithmetic on the same values: its softmax, its cumulative sum, its comparison
+        cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
+        remove = cumulative <= (1 - warper.top_p)
+        remove[..., -warper.min_tokens_to_keep :] = 0
+        removed = int(remove.sum())
+        if removed == 0:
+            rows.append(row.clone())
+            continue
+        # the cumulative sums only grow (non-negative terms), so the removed tokens are the first `removed` in order
+        first_kept, last_removed = ascending[0, removed], ascending[0, removed - 1]
+        if removed == row.numel() or not bool(remove[0, :removed].all()) or not first_kept > last_removed:
+            return warper(input_ids, scores)  # equal scores on both sides of the boundary: the sort's order decides
+        rows.append(row.masked_fill(row < first_kept, warper.filter_value))
+    return torch.stack(rows)
+
+
+def min_new_tokens(processor: MinNewTokensLengthLogitsProcessor, input_ids: torch.LongTensor, scores: torch.Tensor):
+    """`processor(input_ids, scores)`, bit for bit: the end-of-sequence scores set to -inf by index."""
+    processed = scores.clone()
+    if input_ids.shape[-1] - processor.prompt_length_to_skip < processor.min_new_tokens:
+        ids = processor.eos_token_id.to(scores.device).reshape(-1)
+        ids = ids[(ids >= 0) & (ids < scores.shape[-1])]  # isin over the vocabulary's range: other ids match nothing
+        processed[..., ids] = -math.inf
+    return processed
+
+
+_SHORTCUTS = {TopPLogitsWarper: top_p, MinNewTokensLengthLogitsProcessor: min_new_tokens}
+
+
+def process(logits_processor, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+    """`logits_processor(input_ids, scores)` for a `LogitsProcessorList` (or any callable), each processor of an exact
+    type in `_SHORTCUTS` through its shortcut. A processor that asks for more arguments than these two goes through
+    the list itself, which says what it lacks."""
+    if not isinstance(logits_processor, LogitsProcessorList):
+        return logits_processor(input_ids, scores)
+    for processor in logits_processor:
+        shortcut = _SHORTCUTS.get(type(processor))
+        if shortcut is not None:
+            scores = shortcut(processor, input_ids, scores)
+        elif len(inspect.signature(processor.__call__).parameters) > 2:
+            scores = LogitsProcessorList([processor])(input_ids, scores)
+        else:
+            scores = processor(input_ids, scores)
+    return scores
+
+
+def process_rows(logits_processor, prefix: torch.LongTensor, logits: torch.Tensor) -> torch.Tensor:
+    """Apply the logits processors to each row of `logits` `(1, n, vocab)`; row i continues `prefix` extended by the
+    first i tokens, exactly as plain decoding would see it. `prefix` is `(1, L + n - 1)`: the sequence followed by
+    the n - 1 draft tokens."""
+    n = logits.shape[1]
+    start = prefix.shape[1] - (n - 1)
+    return torch.stack([process(logits_processor, prefix[:, : start + i], logits[:, i, :]) for i in range(n)], dim=1)
