@@ -123,6 +123,7 @@ def test_sampled_run_times_equal_lengths_and_repeats(setup, tmp_path):
     assert torch.equal(draws[0], draws[1]) and not torch.equal(draws[0], other)
     with pytest.raises(ValueError, match="temperature > 0"):
         sampling_settings(0.0)
+    assert sampling_settings(0.7, 0.9)["top_p"] == 0.9 and sampling_settings(0.7)["top_p"] == 1.0
 
 
 def test_mismatch_is_reported_loudly(setup, monkeypatch, tmp_path):
@@ -442,6 +443,8 @@ def test_trace_files_round_trip_and_a_pickle_runs_nothing(setup, tmp_path):
     (["costs", "--quantize-target", "w4a8", "--dtypes", "bfloat16", "float32"], "cannot also measure float32"),
     (["--temperature", "0.7"], "without --do-sample"),
     (["--do-sample", "--temperature", "0"], "temperature > 0"),
+    (["--top-p", "0.9"], "--top-p 0.9 without --do-sample"),
+    (["--do-sample", "--top-p", "1.5"], r"top-p must be in \(0, 1\]"),
     (["--do-sample", "--methods", "target", "llama.cpp"], "greedy decoding only"),
     (["--do-sample", "--record-traces", "t.safetensors"], "without --do-sample"),
 ])

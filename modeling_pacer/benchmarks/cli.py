@@ -105,9 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="also record full per-position draft traces (safetensors) for `pacer-bench replay`")
     run.add_argument("--trace-max-draft", type=_positive, default=12, help="draft length recorded per position")
     run.add_argument("--do-sample", action="store_true",
-                     help="sampled decoding (every method, exactly --max-new-tokens tokens, no top-k/top-p): a speed "
+                     help="sampled decoding (every method, exactly --max-new-tokens tokens, no top-k, --top-p): a speed "
                           "row for sampling; outputs are draws, so they are not compared with the target's")
     run.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (with --do-sample)")
+    run.add_argument("--top-p", type=float, default=1.0,
+                     help="with --do-sample: sample from the smallest set of tokens holding this share of the "
+                          "probability (transformers' top_p; 1.0, the default, keeps every token)")
     run.add_argument("--seed", type=int, default=0, help="with --do-sample: prompt i's runs start from seed + i")
     run.add_argument("--quick", action="store_true",
                      help=f"1 prompt per dataset, {QUICK_NEW_TOKENS} tokens, methods {QUICK_METHODS}, a one-line verdict")
@@ -352,11 +355,13 @@ def validate(args) -> None:
         if args.do_sample:
             from .methods import sampling_settings
 
-            sampling_settings(args.temperature)  # a temperature that cannot sample: the error names it
+            sampling_settings(args.temperature, args.top_p)  # a setting that cannot sample: the error names it
             if args.record_traces:
                 raise ValueError("--record-traces follows the target's greedy output: run it without --do-sample.")
         elif args.temperature != 1.0:
             raise ValueError(f"--temperature {args.temperature} without --do-sample: greedy decoding has no temperature.")
+        elif args.top_p != 1.0:
+            raise ValueError(f"--top-p {args.top_p} without --do-sample: greedy decoding has no top-p.")
     files = getattr(args, "traces", None) or getattr(args, "results", None) or []
     for path in [files] if isinstance(files, str) else files:
         if not Path(path).is_file():
@@ -436,7 +441,8 @@ def run(args) -> dict:
     with tqdm(total=len(prompts) * len(methods), desc="pacer-bench", unit="run") as bar:
         failures = {}
         records, traces = run_live(pair, head, methods, prompts, args.max_new_tokens, bar, args.oracle_max_draft,
-                                   sampling=sampling_settings(args.temperature) if args.do_sample else None, seed=args.seed,
+                                   sampling=sampling_settings(args.temperature, args.top_p) if args.do_sample else None,
+                                   seed=args.seed,
                                    failures=failures)
     oracle_rows = oracle_records(traces, costs, args.oracle_max_draft, records)
     meta = run_meta(args.argv, pair=pair.name,
@@ -447,7 +453,7 @@ def run(args) -> dict:
                 costs=costs.to_dict(), torch=torch.__version__,
                 # the methods that decided on costs of their own (a reduced draft head's), by name
                 method_costs={m.name: m.costs.to_dict() for m in methods if m.draft_vocab} or None,
-                sampling=dict(temperature=args.temperature, seed=args.seed) if args.do_sample else None,
+                sampling=dict(temperature=args.temperature, top_p=args.top_p, seed=args.seed) if args.do_sample else None,
                 failed=failures or None)
     result = write_report(Path(args.out), [r.to_dict() for r in records], oracle_rows, meta)
     if args.record_traces:

@@ -165,14 +165,16 @@ def select_methods(patterns: list[str] | None, available: dict[str, Method]) -> 
     return chosen
 
 
-def sampling_settings(temperature: float) -> dict:
+def sampling_settings(temperature: float, top_p: float = 1.0) -> dict:
     """`generate`'s settings for the benchmark's sampled decoding: the target's distribution at `temperature`,
-    nothing cut (no top-k, no top-p, whatever the model's generation config says), and exactly
-    `max_new_tokens` tokens (end of sequence suppressed), so that every method's time covers the same number
-    of tokens, which a sampled output's length would not otherwise guarantee."""
+    cut to the smallest set of tokens holding `top_p` of it (1.0: nothing cut; no top-k, whatever the model's
+    generation config says), and exactly `max_new_tokens` tokens (end of sequence suppressed), so that every
+    method's time covers the same number of tokens, which a sampled output's length would not otherwise guarantee."""
     if not temperature > 0:
         raise ValueError(f"sampling needs a temperature > 0, got {temperature} (greedy decoding: leave --do-sample out)")
-    return dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0, min_p=None)
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top-p must be in (0, 1], got {top_p} (1.0 keeps every token)")
+    return dict(do_sample=True, temperature=temperature, top_k=0, top_p=top_p, min_p=None)
 
 
 def run_method(method: Method, target, draft, head, input_ids: torch.Tensor, max_new_tokens: int, llamacpp=None,
