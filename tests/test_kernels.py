@@ -373,7 +373,7 @@ def test_a_kernel_attention_draft_keeps_pacer_lossless():
     under `torch.inference_mode()` as under transformers' own `no_grad`."""
     assert not kernel_attention(_tiny_qwen2(seed=1))  # float32: sdpa stays
     draft = _tiny_qwen2(seed=1).to(torch.bfloat16)
-    assert kernel_attention(draft) and draft.config._attn_implementation == "pacer_exact"
+    assert kernel_attention(draft) and draft.config._attn_implementation == "pacer_kernel"
     target = enable_pacer(make_exact(_tiny_qwen2(seed=0).to(torch.bfloat16)))
     g = torch.Generator().manual_seed(2)
     for n in (1, 12):
@@ -384,6 +384,27 @@ def test_a_kernel_attention_draft_keeps_pacer_lossless():
                 out = target.generate(ids, assistant_model=draft, stopping_policy=FixedLength(4), do_sample=False,
                                       max_new_tokens=20)
             assert out.tolist() == expected.tolist(), (n, mode)
+
+
+def test_a_kernel_attention_draft_takes_a_mask_with_padding_where_the_exact_target_refuses_it():
+    """transformers' generate infers a mask from the padding id when given none, so a sequence holding that id (a
+    sampled token, under transformers' assisted generation) reaches the draft with a hole in its mask: a draft on the
+    kernel computes it as sdpa does, where an exact target refuses it (its rows could not be exact)."""
+    draft = _tiny_qwen2(seed=1).to(torch.bfloat16)
+    assert kernel_attention(draft)
+    ids = torch.tensor([[5, 9, 7, 11, 12, 13]])  # 7: the padding id below
+    mask = (ids != 7).long()
+    with torch.no_grad():
+        ours = draft(ids, attention_mask=mask).logits
+        draft.set_attn_implementation("sdpa")
+        theirs = draft(ids, attention_mask=mask).logits
+    assert torch.equal(ours, theirs)
+    draft.set_attn_implementation("pacer_kernel")
+    draft.generation_config.pad_token_id, draft.generation_config.eos_token_id = 7, 95
+    assert draft.generate(ids, do_sample=False, max_new_tokens=3).shape == (1, 9)
+    target = make_exact(_tiny_qwen2(seed=0).to(torch.bfloat16))
+    with torch.no_grad(), pytest.raises(ValueError, match="not a plain causal pattern"):
+        target(ids, attention_mask=mask)
 
 
 def test_a_kernel_attention_draft_records_traces():
@@ -399,7 +420,7 @@ def test_a_kernel_attention_draft_records_traces():
     ids = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(3))
     output = target.generate(ids, do_sample=False, max_new_tokens=24)[0, 9:]
     trace = record_trace(draft, target, ids, output, 5, target_choice=output)
-    assert draft.config._attn_implementation == "pacer_exact"
+    assert draft.config._attn_implementation == "pacer_kernel"
     assert int((trace.match == 0).sum()) > 0  # misses: continuations were drafted under the tree mask
     budget = torch.arange(5)[None, :] < (len(output) - torch.arange(len(output)))[:, None]
     assert bool(((trace.token_probs[budget] > 0) & (trace.token_probs[budget] <= 1)).all())

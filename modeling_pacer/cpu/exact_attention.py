@@ -45,12 +45,14 @@ import contextlib
 
 import torch
 from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from . import kernels
 from .last_call import LastCall
 
 NAME = "pacer_exact"
+KERNEL_NAME = "pacer_kernel"  # the same computation for speed alone (a draft): other masks go to sdpa, never refused
 
 
 def exact_attention_mask(*args, **kwargs):
@@ -225,17 +227,33 @@ def _attend(q_i, k_i, v_i, scaling, softcap, dropout) -> torch.Tensor:
     return out.reshape(batch, kv_heads * groups, head_dim)
 
 
+def kernel_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """`attn_implementation="pacer_kernel"`: [`exact_attention_forward`] where the mask is a causal pattern, transformers'
+    `sdpa` where it is not, e.g. where transformers' assisted generation masks a drafted token that equals the
+    draft's padding id (its generate infers a mask from the padding id when given none). For a model whose attention
+    is there for speed alone (a draft: its numerics choose proposals, never the output), which must run wherever
+    transformers runs it."""
+    try:
+        _row_ranges(attention_mask, query.shape[2], key.shape[2],
+                    kwargs.get("sliding_window", getattr(module, "sliding_window", None)))
+    except ValueError:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
+    return exact_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+
+
 def kernel_attention(model: torch.nn.Module) -> bool:
-    """`attn_implementation="pacer_exact"` on a model whose attention pacer's C++ kernel computes (bf16 weights on
+    """`attn_implementation="pacer_kernel"` on a model whose attention pacer's C++ kernel computes (bf16 weights on
     CPU, a head size it takes, the kernels built for this CPU), for speed alone: for one query row (a draft's
     decoding step) the kernel is one call per layer against `sdpa`'s flash path, which costs about 150 us per
-    layer there. Linear layers are left as they are. Used on the draft, whose numerics change which tokens it
-    proposes, never the output. Returns whether it was set."""
+    layer there; a mask the kernel does not take goes to `sdpa` ([`kernel_attention_forward`]). Linear layers
+    are left as they are. Used on the draft, whose numerics change which tokens it proposes, never the output.
+    Returns whether it was set."""
     config = model.config.get_text_config()
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if not all(p.device.type == "cpu" for p in model.parameters()) or not _kernel_takes(head_dim, model.dtype, model.device):
         return False
-    model.set_attn_implementation(NAME)
+    model.set_attn_implementation(KERNEL_NAME)
     return True
 
 
@@ -246,7 +264,7 @@ def any_mask_attention(model: torch.nn.Module):
     For a draft ([`kernel_attention`]: speed alone), never for an exact target, whose verification it would make
     inexact. Other models are left as they are."""
     previous = model.config.get_text_config()._attn_implementation
-    if previous != NAME:
+    if previous not in (NAME, KERNEL_NAME):
         yield model
         return
     model.set_attn_implementation("sdpa")
@@ -257,9 +275,11 @@ def any_mask_attention(model: torch.nn.Module):
 
 
 def register() -> None:
-    """Register `pacer_exact` with transformers (done on `import modeling_pacer`; idempotent)."""
+    """Register `pacer_exact` and `pacer_kernel` with transformers (done on `import modeling_pacer`; idempotent)."""
     AttentionInterface.register(NAME, exact_attention_forward)
     AttentionMaskInterface.register(NAME, exact_attention_mask)
+    AttentionInterface.register(KERNEL_NAME, kernel_attention_forward)
+    AttentionMaskInterface.register(KERNEL_NAME, exact_attention_mask)
 
 
 register()
