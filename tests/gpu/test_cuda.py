@@ -190,3 +190,22 @@ def test_captured_steps_are_the_target_alone_on_cuda(backend, dtype):
     assert not failures, f"{len(failures)} runs differ from the target alone: {failures[:10]}"
     assert drafted > 0 and rejected > 0
     assert captured_calls(target)["graph", 16] > 0 and captured_calls(draft)["graph", 1] > 0
+
+
+def test_processors_shortcuts_are_transformers_scores_on_cuda():
+    """top-p's and min_new_tokens' shortcuts (custom_generate/processing.py) give transformers' scores bit for bit on
+    the device too: its sort's values, its softmax and cumulative sum."""
+    from transformers import MinNewTokensLengthLogitsProcessor, TopKLogitsWarper, TopPLogitsWarper
+
+    from modeling_pacer.custom_generate.processing import min_new_tokens, top_p
+
+    ids = torch.tensor([[3, 17, 250]], device=CUDA)
+    g = torch.Generator().manual_seed(0)
+    for vocab in (1000, 151936):
+        logits = (torch.randn(1, vocab, generator=g) * 4).to(CUDA)
+        for row in (logits, logits.to(torch.bfloat16).float(), TopKLogitsWarper(40)(ids, logits)):
+            for p in (0.5, 0.9, 0.95):
+                warper = TopPLogitsWarper(p)
+                assert torch.equal(top_p(warper, ids, row).view(torch.int32), warper(ids, row).view(torch.int32))
+        processor = MinNewTokensLengthLogitsProcessor(1, 5, [2, 7], device=str(CUDA))
+        assert torch.equal(min_new_tokens(processor, ids, logits), processor(ids, logits))
