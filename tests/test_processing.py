@@ -42,6 +42,10 @@ def test_sorted_values_are_the_sorts_values(vocab):
     for seed in range(3):
         for name, row in _rows(vocab, seed).items():
             assert torch.equal(sorted_values(row[0]), torch.sort(row[0]).values), name
+    nan = torch.randn(vocab)
+    nan[vocab // 2] = float("nan")
+    for row in (nan, -nan):  # NaN of either sign, in a float32 row and in a row of bf16 values
+        assert sorted_values(row) is None and sorted_values(row.to(torch.bfloat16).float()) is None
 
 
 @pytest.mark.parametrize("vocab", [50, 1000, 151936])
@@ -76,7 +80,9 @@ def test_top_p_gives_the_warpers_scores_on_nan_float64_and_batched_rows():
     warper = TopPLogitsWarper(0.9)
     nan = torch.randn(1, 100)
     nan[0, 3] = float("nan")
-    for scores in (nan, torch.randn(1, 100).double(), torch.randn(2, 100)):
+    inf = torch.randn(1, 100).to(torch.bfloat16).float()
+    inf[0, 7] = float("inf")
+    for scores in (nan, inf, torch.randn(1, 100).double(), torch.randn(2, 100)):
         assert torch.equal(top_p(warper, IDS, scores).isnan(), warper(IDS, scores).isnan())
         assert torch.equal(top_p(warper, IDS, scores).nan_to_num(), warper(IDS, scores).nan_to_num())
 

@@ -8,7 +8,7 @@ already known:
   summed from the least likely up, stays within 1 - top_p. The cumulative sums depend on the sorted *values* alone
   (a sequence that any correct sort gives, ties included), and the tokens it removes are a prefix of that order. So
   [`top_p`] builds the same ascending values (a counting sort over 65,536 keys where every score is a bfloat16 value,
-  as a bf16 model's logits are; the finite scores alone after a top-k; else a plain sort), runs transformers' own
+  as a bf16 model's logits are; else the finite scores alone where a top-k left few, or a plain sort), runs its own
   softmax and cumulative sum over them (the same tensor, so the same bits), and removes every score below the first
   kept value: exactly transformers' set, unless equal scores straddle the boundary, where which of them an unstable
   sort places first decides it, and transformers' warper itself is called.
@@ -30,49 +30,63 @@ __all__ = ["process", "process_rows", "top_p", "min_new_tokens", "sorted_values"
 
 
 def _bf16_table(device: torch.device) -> torch.Tensor:
-    """The 65,536 bfloat16 values as float32, in the order of [`_bf16_keys`] (NaNs included, at both ends)."""
+    """The 65,536 bfloat16 values as float32, in the order of their keys ([`_bf16_counts`]; NaNs at both ends)."""
     key = torch.arange(65536, dtype=torch.int32, device=device)
-    bits = torch.where(key >= 0x8000, key - 0x8000, 0xFFFF - key)  # the inverse of _bf16_keys
+    bits = torch.where(key >= 0x8000, key - 0x8000, 0xFFFF - key)
     return (bits << 16).view(torch.float32)
 
 
 _TABLES: dict[torch.device, torch.Tensor] = {}
+_NAN_BELOW, _NAN_FROM = 0x7F, 0xFF81  # keys under -inf's (0x7F) and over +inf's (0xFF80) are NaNs
 
 
-def _bf16_keys(row: torch.Tensor) -> torch.Tensor:
-    """float32 scores that are bfloat16 values -> int64 keys in 0..65535 ordered as the values are (-0.0 just below
-    +0.0, which a sort treats as equal; either order gives the same values)."""
-    top = (row.view(torch.int32) >> 16) & 0xFFFF  # sign, exponent and the 7 bits of mantissa a bf16 keeps
-    return torch.where(top >= 0x8000, 0xFFFF - top, top + 0x8000).long()
+def _bf16_counts(row: torch.Tensor) -> torch.Tensor | None:
+    """How many scores of the 1-D float32 `row` take each of the 65,536 bfloat16 values, indexed by a key ordered as
+    the values are (-0.0 just below +0.0, which a sort treats as equal); None where a score is not a bf16 value."""
+    bits = row.view(torch.int32)
+    top = bits >> 16  # sign, exponent and the 7 bits of mantissa a bf16 keeps (arithmetic shift: negatives stay so)
+    if not torch.equal(top << 16, bits):
+        return None
+    sign = top >> 31  # -1 for a negative score, else 0
+    # negative: 0xFFFF minus its unsigned top (larger magnitudes first) = ~top; positive: top + 0x8000
+    return torch.bincount((top ^ sign) | ((sign + 1) << 15), minlength=65536)
 
 
-def sorted_values(row: torch.Tensor) -> torch.Tensor:
-    """The values of a 1-D float32 `row` without NaN in ascending order: `torch.sort(row).values`, without the indices.
+def sorted_values(row: torch.Tensor) -> torch.Tensor | None:
+    """The values of a 1-D float32 `row` in ascending order, `torch.sort(row).values` without the indices; None where
+    the row holds a NaN.
 
-    A row of bfloat16 values (every float32 with its low 16 bits zero) is counted into its 65,536 possible values;
-    a row that is mostly -inf sorts its finite scores alone; any other row is sorted whole."""
+    A row of bfloat16 values (every float32 with its low 16 bits zero) is counted into its 65,536 possible values; of
+    any other, a row that is mostly -inf sorts its finite scores alone, and one that is not is sorted whole."""
+    counts = _bf16_counts(row)
+    if counts is not None:
+        if bool(counts[:_NAN_BELOW].any()) or bool(counts[_NAN_FROM:].any()):
+            return None
+        table = _TABLES.get(row.device)
+        if table is None:
+            table = _TABLES[row.device] = _bf16_table(row.device)
+        return torch.repeat_interleave(table, counts, output_size=row.numel())
+    if bool(torch.isnan(row).any()):
+        return None
     finite = row > float("-inf")
     count = int(finite.sum())
     if 0 < count <= row.numel() // 8:
         rest = torch.sort(row[finite]).values
         return torch.cat([row.new_full((row.numel() - count,), float("-inf")), rest])
-    if count and bool(((row.view(torch.int32) & 0xFFFF) == 0).all()):
-        table = _TABLES.get(row.device)
-        if table is None:
-            table = _TABLES[row.device] = _bf16_table(row.device)
-        return torch.repeat_interleave(table, torch.bincount(_bf16_keys(row), minlength=65536))
     return torch.sort(row).values
 
 
 def top_p(warper: TopPLogitsWarper, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
     """`warper(input_ids, scores)`, bit for bit, without sorting the indices (see the module's docstring)."""
-    if scores.dtype != torch.float32 or scores.dim() != 2 or bool(torch.isnan(scores).any()):
+    if scores.dtype != torch.float32 or scores.dim() != 2:
         return warper(input_ids, scores)
     rows = []
     for row in scores:
-        ascending = sorted_values(row)[None]
+        ascending = sorted_values(row)
+        if ascending is None:  # NaN: where the sort puts it is the sort's business
+            return warper(input_ids, scores)
         # transformers' arithmetic on the same values: its softmax, its cumulative sum, its comparison
-        cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
+        cumulative = ascending[None].softmax(dim=-1).cumsum(dim=-1)
         remove = cumulative <= (1 - warper.top_p)
         remove[..., -warper.min_tokens_to_keep :] = 0
         removed = int(remove.sum())
@@ -80,8 +94,8 @@ def top_p(warper: TopPLogitsWarper, input_ids: torch.LongTensor, scores: torch.T
             rows.append(row.clone())
             continue
         # the cumulative sums only grow (non-negative terms), so the removed tokens are the first `removed` in order
-        first_kept, last_removed = ascending[0, removed], ascending[0, removed - 1]
-        if removed == row.numel() or not bool(remove[0, :removed].all()) or not first_kept > last_removed:
+        first_kept, last_removed = ascending[removed], ascending[removed - 1]
+        if removed == row.numel() or not bool(remove[0, removed - 1]) or not first_kept > last_removed:
             return warper(input_ids, scores)  # equal scores on both sides of the boundary: the sort's order decides
         rows.append(row.masked_fill(row < first_kept, warper.filter_value))
     return torch.stack(rows)
