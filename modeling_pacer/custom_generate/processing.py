@@ -8,7 +8,7 @@ already known:
   summed from the least likely up, stays within 1 - top_p. The cumulative sums depend on the sorted *values* alone
   (a sequence that any correct sort gives, ties included), and the tokens it removes are a prefix of that order. So
   [`top_p`] builds the same ascending values (a counting sort over 65,536 keys where every score is a bfloat16 value,
-  as a bf16 model's logits are; else the finite scores alone where a top-k left few, or a plain sort), runs its own
+  as a bf16 model's logits are; else the finite scores alone where a top-k left few, or a plain sort), runs the warper's
   softmax and cumulative sum over them (the same tensor, so the same bits), and removes every score below the first
   kept value: exactly transformers' set, unless equal scores straddle the boundary, where which of them an unstable
   sort places first decides it, and transformers' warper itself is called.
