@@ -20,7 +20,6 @@ bit (tests/test_processing.py compares them on random, tied and bf16 rows); this
 transformers, like the rest of this folder.
 """
 
-import inspect
 import math
 
 import torch
@@ -116,18 +115,16 @@ _SHORTCUTS = {TopPLogitsWarper: top_p, MinNewTokensLengthLogitsProcessor: min_ne
 
 def process(logits_processor, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
     """`logits_processor(input_ids, scores)` for a `LogitsProcessorList` (or any callable), each processor of an exact
-    type in `_SHORTCUTS` through its shortcut. A processor that asks for more arguments than these two goes through
-    the list itself, which says what it lacks."""
+    type in `_SHORTCUTS` through its shortcut, every other one as the list itself calls it (its own check of the
+    arguments a processor asks for included)."""
     if not isinstance(logits_processor, LogitsProcessorList):
         return logits_processor(input_ids, scores)
     for processor in logits_processor:
         shortcut = _SHORTCUTS.get(type(processor))
         if shortcut is not None:
             scores = shortcut(processor, input_ids, scores)
-        elif len(inspect.signature(processor.__call__).parameters) > 2:
-            scores = LogitsProcessorList([processor])(input_ids, scores)
         else:
-            scores = processor(input_ids, scores)
+            scores = LogitsProcessorList([processor])(input_ids, scores)
     return scores
 
 
