@@ -2,6 +2,8 @@
 kernel="pacer"): they compute their formula (integer sums exactly, the int4 grid to float32 rounding), each output row is bitwise the same whatever the rows and threads of the call, a
 GGUF's Q4_K tensors are kept exactly, and PACER over a W4A8 target returns that target's own greedy output."""
 
+import os
+
 import pytest
 import torch
 from gguf import GGMLQuantizationType
@@ -11,6 +13,7 @@ from modeling_pacer import FixedLength, enable_pacer
 from modeling_pacer.cpu import kernels
 from modeling_pacer.cpu.exact_attention import kernel_attention
 from modeling_pacer.exact import make_exact
+from modeling_pacer.host import cpuinfo_field
 from modeling_pacer.cpu.exact_linear import row_runs
 from modeling_pacer.pairs import load_pair
 from modeling_pacer.cpu.quantization import (
@@ -478,6 +481,69 @@ def test_exact_attention_kernel_is_the_torch_rows_computed_alone(monkeypatch):
     assert torch.equal(out[0, 0], torch.zeros(12, 128)) and bool(out[0, 1].abs().sum() > 0)
     with pytest.raises(ValueError, match="bf16"):
         kernels.exact_attention(q.float(), key, value, lo, hi, 0.1)
+
+
+ATTENTION_CHECK = r"""
+#include "vnni_matmul.cpp"
+#include <cstdio>
+#include <random>
+// rows computed together against each row alone, bitwise; and against a double reference
+int main() {
+    std::mt19937 g(1); std::normal_distribution<float> nd;
+    int bad = 0; double worst = 0;
+    for (int64_t D : {16, 48, 64, 80, 128, 256}) for (int64_t KV : {1, 2}) for (int64_t G : {1, 3, 7, 9}) {
+        const int64_t H = KV * G, M = 21, L = 57;
+        auto mk = [&](int64_t n) { std::vector<uint16_t> v(n); for (auto& x : v) x = f2bf(nd(g)); return v; };
+        auto q = mk(H * M * D), k = mk(KV * L * D), v = mk(KV * L * D);
+        std::vector<int64_t> lo(M), hi(M);
+        for (int64_t i = 0; i < M; ++i) { hi[i] = L - M + i + 1; lo[i] = i % 5 == 0 ? 0 : hi[i] > 19 ? hi[i] - 19 : 0; }
+        lo[3] = hi[3];  // a padding row
+        std::vector<float> out(M * H * D), one(H * D);
+        pacer_exact_attention(q.data(), k.data(), v.data(), 1, H, KV, M, L, D, L * D, lo.data(), hi.data(), 0.3f, out.data());
+        for (int64_t i = 0; i < M; ++i) {
+            std::vector<uint16_t> qi(H * D);
+            for (int64_t h = 0; h < H; ++h) for (int64_t d = 0; d < D; ++d) qi[h * D + d] = q[(h * M + i) * D + d];
+            // the row alone, its keys as the first hi positions of a buffer of capacity L
+            pacer_exact_attention(qi.data(), k.data(), v.data(), 1, H, KV, 1, hi[i], D, L * D, &lo[i], &hi[i], 0.3f, one.data());
+            if (std::memcmp(one.data(), out.data() + i * H * D, H * D * 4)) ++bad;
+            for (int64_t h = 0; h < H; ++h) {
+                const int64_t kh = h / G;
+                std::vector<double> s; double top = -1e300;
+                for (int64_t j = lo[i]; j < hi[i]; ++j) { double x = 0; for (int64_t d = 0; d < D; ++d) x += (double)bf2f(qi[h*D+d]) * bf2f(k[(kh*L+j)*D+d]); s.push_back(x*0.3); top = std::max(top, x*0.3); }
+                double tot = 0; for (auto& x : s) { x = std::exp(x - top); tot += x; }
+                for (int64_t d = 0; d < D; ++d) { double r = 0; for (size_t j = 0; j < s.size(); ++j) r += s[j] * bf2f(v[(kh*L+lo[i]+j)*D+d]); r = s.empty() ? 0 : r / tot;
+                    worst = std::max(worst, std::fabs(r - out[(i*H+h)*D+d])); }
+            }
+        }
+    }
+    std::printf("%d %.3e\n", bad, worst);
+}
+"""
+
+
+def test_the_attention_kernel_is_row_invariant_and_accurate_with_and_without_bf16_dot_products(tmp_path):
+    """pacer_exact_attention over head sizes that are and are not multiples of 32 (masked chunks), 1 to 9 query heads
+    a key head (more than one batch of 8), sliding windows and a padding row: every row of a 21-row call bitwise its
+    single-row call, and within 1e-4 of the attention in double precision; built as the host builds it and, where
+    the CPU has AVX512-BF16 (its scores by vdpbf16ps), again without it (the other CPUs' fused multiply-adds)."""
+    import shutil
+    import subprocess
+
+    from modeling_pacer.cpu.kernels import FLAGS, SOURCE
+
+    compiler = shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        pytest.skip("no C++ compiler")
+    (tmp_path / "check.cpp").write_text(ATTENTION_CHECK)
+    flags = [f for f in FLAGS if f not in ("-shared", "-fPIC")]
+    builds = [[]] + ([["-mno-avx512bf16"]] if "avx512_bf16" in (cpuinfo_field("flags") or "").split() else [])
+    for extra in builds:
+        binary = tmp_path / f"check{len(extra)}"
+        subprocess.run([compiler, *flags, *extra, "-I", str(SOURCE.parent), "-o", str(binary), str(tmp_path / "check.cpp")],
+                       check=True, capture_output=True)
+        bad, worst = subprocess.run([str(binary)], check=True, capture_output=True, text=True,
+                                    env={**os.environ, "OMP_NUM_THREADS": "2"}).stdout.split()
+        assert int(bad) == 0 and float(worst) < 1e-4, (extra, bad, worst)
 
 
 def test_bias_and_bf16_output_are_torch_rounding():
