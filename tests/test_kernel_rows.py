@@ -68,3 +68,29 @@ def test_kernel_rows_times_each_path_it_is_asked_for(tmp_path):
     assert report["amx_tiles"] == kernels.amx_available()
     table = (out / "kernel-rows.md").read_text()
     assert "| w8a8 256x32 (vnni) |" in table and "| w8a8 256x32 (amx) |" in table
+
+
+@pytest.mark.skipif(not kernels.available(), reason=f"VNNI kernels: {kernels.unavailable_reason()}")
+def test_kernel_rows_times_the_attention_over_each_key_count(tmp_path):
+    out = tmp_path / "attention"
+    assert cli.main(["kernel-rows", "--kinds", "--attention-keys", "2", "40", "--attention-heads", "4", "2", "32",
+                     "--rows", "3", "--repeats", "2", "--threads", "1", "--out", str(out)]) == 0
+    report = json.loads((out / "kernel-rows.json").read_text())
+    assert report["layers"] == []
+    assert [(e["keys"], e["heads"], e["kv_heads"], e["head_dim"]) for e in report["attention"]] == [(2, 4, 2, 32),
+                                                                                                   (40, 4, 2, 32)]
+    short, long = report["attention"]
+    assert sorted(map(int, short["ms"])) == [1, 2] and sorted(map(int, long["ms"])) == [1, 2, 3]  # rows <= keys
+    assert all(v > 0 for v in long["ms"].values()) and long["ratio"]["1"] == 1.0
+    table = (out / "kernel-rows.md").read_text()
+    assert "| 40 | " in table and "| 2 | " in table and "| w4a8" not in table
+
+
+@pytest.mark.parametrize("args, problem", [(["--attention-heads", "12", "5", "128"], "divisible"),
+                                           (["--attention-heads", "12", "2", "120"], "multiple of 16"),
+                                           (["--kinds"], "times nothing")])
+def test_kernel_rows_refuses_an_attention_it_cannot_time(args, problem, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["kernel-rows", *args, "--out", str(tmp_path / "o")])
+    assert problem in capsys.readouterr().err
+    assert not (tmp_path / "o" / "kernel-rows.json").exists()

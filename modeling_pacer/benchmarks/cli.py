@@ -230,12 +230,13 @@ def build_parser() -> argparse.ArgumentParser:
     space.add_argument("--threads", type=_positive, help="torch CPU threads (default: torch's choice)")
     _add_output(space, "space-out")
 
-    from .kernel_rows import KINDS, TARGET_SHAPES
+    from .kernel_rows import KINDS, TARGET_ATTENTION, TARGET_SHAPES
 
     rows = sub.add_parser("kernel-rows", help="one of pacer's quantized layers (w4a8, w8a8) on this CPU for 1..rows rows: "
                           "its cost curve, the bandwidth of one row, the best multiply-add rate, and the least ratio "
                           "that rate allows (what bounds verification of many tokens)")
-    rows.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
+    rows.add_argument("--kinds", nargs="*", choices=KINDS, default=list(KINDS),
+                      help="layer kinds to time (none: only the attention of --attention-keys)")
     rows.add_argument("--shapes", nargs="+", type=_layer_shape, default=[list(s) for s in TARGET_SHAPES],
                       metavar="INxOUT", help="layer shapes (default: the 1.5B target's: 1536x1536 1536x256 1536x8960 "
                       "8960x1536)")
@@ -247,6 +248,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="which kernel paths to time, interleaved: default (AMX tiles from "
                       f"{KERNEL_PATHS['default']} rows where the CPU has "
                       "them), vnni (never the tiles), amx (the tiles from one row); the same bits on every path")
+    rows.add_argument("--attention-keys", nargs="+", type=_positive, metavar="N",
+                      help="also time the exact attention kernel for 1..rows rows ending a sequence of N keys, each N")
+    rows.add_argument("--attention-heads", nargs=3, type=_positive, default=list(TARGET_ATTENTION),
+                      metavar=("HEADS", "KV_HEADS", "HEAD_DIM"), help="the attention's shape (default: the 1.5B target's)")
     rows.add_argument("--threads", type=_positive, help="torch CPU threads (default: torch's choice)")
     _add_output(rows, "kernel-rows-out")
     return p
@@ -287,6 +292,12 @@ def validate(args) -> None:
         from .kernel_rows import check_shapes
 
         check_shapes(args.kinds, [tuple(shape) for shape in args.shapes])
+        heads, kv_heads, head_dim = args.attention_heads
+        if heads % kv_heads or head_dim % 16 or head_dim > 256:
+            raise ValueError(f"--attention-heads {heads} {kv_heads} {head_dim}: the kernel needs query heads divisible by "
+                             "key/value heads and a head size that is a multiple of 16 up to 256")
+        if not args.kinds and not args.attention_keys:
+            raise ValueError("--kinds with no kind times nothing: name a kind or give --attention-keys")
     if args.command == "device":
         import torch
 

@@ -17,6 +17,10 @@ rows over enough copies of the layer that the weights stream from memory (not ca
   ([`kernels.vnni_peak`]), the bound of the VNNI loops (a layer's best rate over it says how close they come; the AMX
   tiles' rate can pass it).
 
+With `--attention-keys N ...`, also the exact attention kernel (`kernels.exact_attention`, one layer, the target's
+heads by default) for 1..rows query rows that end a sequence of N keys, as a verification call's rows do: the part of
+a call's cost that grows with the context rather than with the weights.
+
 Timings are medians over `--repeats` rounds in which the row counts are interleaved. Writes `kernel-rows.json` and
 `kernel-rows.md` to `--out`.
 """
@@ -37,6 +41,9 @@ from .provenance import run_meta
 # the 1.5B target's linear layers (in_features, out_features): q/o, k/v, gate/up, down
 TARGET_SHAPES = ((1536, 1536), (1536, 256), (1536, 8960), (8960, 1536))
 KINDS = ("w4a8", "w8a8")
+# the 1.5B target's attention: query heads, key/value heads, head size; and its layer count
+TARGET_ATTENTION = (12, 2, 128)
+TARGET_LAYERS = 28
 # the kernels' row threshold for AMX tiles per measured path (kernels.amx_rows): their default, never, from one row
 PATHS = {"default": kernels.AMX_ROWS, "vnni": 0, "amx": 1}
 STREAM_BYTES = 256 << 20  # copies of a layer until their weights pass this size: far beyond any last-level cache
@@ -100,8 +107,49 @@ def measure_rows(kind: str, in_features: int, out_features: int, rows: int, repe
     return entries
 
 
+def measure_attention(keys: int, rows: int, repeats: int, heads: int, kv_heads: int, head_dim: int) -> dict:
+    """The exact attention kernel, one layer: ms per call of 1..rows query rows at positions keys - r .. keys - 1 of a
+    causal sequence of `keys` keys (each row sees the keys up to its own), interleaved over `repeats` rounds."""
+    g = torch.Generator().manual_seed(0)
+    key, value = (torch.randn(1, kv_heads, keys, head_dim, generator=g).bfloat16() for _ in range(2))
+    calls = {}
+    for r in range(1, min(rows, keys) + 1):
+        query = torch.randn(1, heads, r, head_dim, generator=g).bfloat16()
+        lo, hi = torch.zeros(1, r, dtype=torch.int64), torch.arange(keys - r + 1, keys + 1).view(1, r)
+        calls[r] = (query, lo, hi)
+    scaling = head_dim ** -0.5
+    for query, lo, hi in calls.values():  # warm-up
+        kernels.exact_attention(query, key, value, lo, hi, scaling)
+    times = {r: [] for r in calls}
+    for _ in range(repeats):
+        for r, (query, lo, hi) in calls.items():
+            start = time.perf_counter()
+            kernels.exact_attention(query, key, value, lo, hi, scaling)
+            times[r].append(time.perf_counter() - start)
+    ms = {r: 1e3 * statistics.median(t) for r, t in times.items()}
+    return dict(keys=keys, heads=heads, kv_heads=kv_heads, head_dim=head_dim, ms=ms,
+                ratio={r: ms[r] / ms[1] for r in ms})
+
+
+def _attention_lines(report: dict) -> list[str]:
+    entries = report.get("attention") or []
+    if not entries:
+        return []
+    rows = sorted({int(r) for e in entries for r in e["ms"]})
+    shown = [r for r in rows if r in (1, 2, 4, 8, 12, 16) or r == rows[-1]]
+    e0 = entries[0]
+    lines = ["", f"The exact attention kernel, one layer ({e0['heads']} query heads, {e0['kv_heads']} key/value heads, "
+             f"head size {e0['head_dim']}): ms per call of r rows ending a sequence of N keys (ratio to one row); "
+             f"times {report.get('layers_per_model', TARGET_LAYERS)} for the 1.5B target's forward.", "",
+             "| keys | " + " | ".join(f"{r} rows" for r in shown) + " |", "|---|" + "---|" * len(shown)]
+    for e in entries:
+        lines.append(f"| {e['keys']} | " + " | ".join(
+            f"{e['ms'][r]:.3f} ({e['ratio'][r]:.2f}x)" if r in e["ms"] else "–" for r in shown) + " |")
+    return lines
+
+
 def markdown(report: dict) -> str:
-    rows = sorted({int(r) for entry in report["layers"] for r in entry["ms"]})
+    rows = sorted({int(r) for entry in report["layers"] for r in entry["ms"]}) or [1]
     shown = [r for r in rows if r in (1, 2, 4, 8, 12, 16) or r == rows[-1]]
     lines = [f"Command: `{report['command']}`", "",
              f"Host: {report['host'].get('cpu')}, {report['threads']} threads; AMX: {report['amx']} (tiles granted: "
@@ -114,6 +162,8 @@ def markdown(report: dict) -> str:
              "| layer | " + " | ".join(f"{r} rows" for r in shown) + " | GB/s at 1 row | peak MACs/ns | "
              f"bound at {rows[-1]} rows | of vpdpbusd's rate |",
              "|---|" + "---|" * len(shown) + "---|---|---|---|"]
+    if not report["layers"]:  # --kinds with none: the attention alone
+        lines = lines[:2] + [f"Host: {report['host'].get('cpu')}, {report['threads']} threads."]
     several = len({e.get("path", "default") for e in report["layers"]}) > 1  # label each row with its path
     for e in report["layers"]:
         cells = [f"{e['ms'][r]:.3f} ({e['ratio'][r]:.2f}x)" for r in shown]
@@ -121,7 +171,7 @@ def markdown(report: dict) -> str:
         lines.append(f"| {e['kind']} {e['in_features']}x{e['out_features']}{path} | " + " | ".join(cells) +
                      f" | {e['gb_per_s']:.1f} | {e['peak_macs_per_ns']:.0f} | {e['bound'][rows[-1]]:.2f}x | "
                      f"{e['peak_macs_per_ns'] / report['vnni_peak_macs_per_ns']:.0%} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _attention_lines(report)) + "\n"
 
 
 def run_kernel_rows(args) -> dict:
@@ -141,7 +191,11 @@ def run_kernel_rows(args) -> dict:
             print(f"kernel-rows: {kind} {k}x{n}, 1..{args.rows} rows", file=sys.stderr, flush=True)
             layers += measure_rows(kind, k, n, args.rows, args.repeats, stream_bytes=args.stream_mb << 20,
                                    paths=tuple(args.paths))
-    report = dict(layers=layers, threads=torch.get_num_threads(), vnni_peak_macs_per_ns=vnni_peak, amx="amx_int8" in flags,
+    attention = []
+    for keys in args.attention_keys or ():
+        print(f"kernel-rows: exact attention over {keys} keys, 1..{args.rows} rows", file=sys.stderr, flush=True)
+        attention.append(measure_attention(keys, args.rows, args.repeats, *args.attention_heads))
+    report = dict(layers=layers, attention=attention, layers_per_model=TARGET_LAYERS, threads=torch.get_num_threads(), vnni_peak_macs_per_ns=vnni_peak, amx="amx_int8" in flags,
                   amx_tiles=kernels.amx_available(),
                   vnni="avx512_vnni" in flags, **run_meta(getattr(args, "argv", None)))
     out = Path(args.out)
