@@ -5,16 +5,19 @@ scores, bfloat16 values (many ties), rows a top-k left mostly at -inf, several t
 and where equal scores straddle top-p's boundary the shortcut must hand the row to transformers' warper.
 """
 
+import math
 from unittest import mock
 
 import pytest
 import torch
 from transformers import (
-    LogitsProcessorList, MinNewTokensLengthLogitsProcessor, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
-    TopKLogitsWarper, TopPLogitsWarper,
+    LogitsProcessorList, MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor, RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
 )
 
-from modeling_pacer.custom_generate.processing import min_new_tokens, process, process_rows, sorted_values, top_p
+from modeling_pacer.custom_generate.processing import (
+    min_length, min_new_tokens, process, process_rows, sorted_values, top_p,
+)
 
 IDS = torch.tensor([[3, 17, 17, 250, 9]])
 
@@ -96,9 +99,23 @@ def test_min_new_tokens_gives_the_processors_scores(eos):
         assert _same(out, processor(IDS, scores)) and out.data_ptr() != scores.data_ptr()
 
 
+@pytest.mark.parametrize("eos", [2, [2, 7], torch.tensor([7, 2]), [2, 10_000]])
+def test_min_length_gives_the_processors_scores_without_calling_it(eos, monkeypatch):
+    scores = torch.randn(1, 100)
+    expected = {m: MinLengthLogitsProcessor(m, eos)(IDS, scores) for m in (0, IDS.shape[1], IDS.shape[1] + 1, 50)}
+    monkeypatch.setattr(MinLengthLogitsProcessor, "__call__", lambda *a: pytest.fail("the processor was called"))
+    for minimum, want in expected.items():  # below, at and past the length
+        processor = MinLengthLogitsProcessor(minimum, eos)
+        out = min_length(processor, IDS, scores)
+        assert _same(out, want) and out.data_ptr() != scores.data_ptr()
+        assert _same(process(LogitsProcessorList([processor]), IDS, scores), want)
+    assert bool(expected[50][0, 2] == -math.inf) and bool(expected[0][0, 2] == scores[0, 2])  # the test's own check
+
+
 def test_a_processor_list_gives_its_own_scores_row_by_row():
     processors = LogitsProcessorList([
-        MinNewTokensLengthLogitsProcessor(3, 4, [5, 9]), RepetitionPenaltyLogitsProcessor(1.3),
+        MinNewTokensLengthLogitsProcessor(3, 4, [5, 9]), MinLengthLogitsProcessor(IDS.shape[1] + 2, [5, 9]),
+        RepetitionPenaltyLogitsProcessor(1.3),
         TemperatureLogitsWarper(0.7), TopKLogitsWarper(60), TopPLogitsWarper(0.8),
     ])
     logits = (torch.randn(1, 4, 1000) * 3).to(torch.bfloat16).float()

@@ -12,8 +12,9 @@ already known:
   softmax and cumulative sum over them (the same tensor, so the same bits), and removes every score below the first
   kept value: exactly transformers' set, unless equal scores straddle the boundary, where which of them an unstable
   sort places first decides it, and transformers' warper itself is called.
-- `MinNewTokensLengthLogitsProcessor` builds a vocabulary-sized range and an `isin` mask on every call to set the
-  end-of-sequence scores to -inf while too few tokens are out; [`min_new_tokens`] sets them by index.
+- `MinNewTokensLengthLogitsProcessor` and `MinLengthLogitsProcessor` (`generate` adds both for `min_new_tokens`) build
+  a vocabulary-sized range and an `isin` mask on every call to set the end-of-sequence scores to -inf while too few
+  tokens are out; [`min_new_tokens`] and [`min_length`] set them by index.
 
 Every other processor is called as `LogitsProcessorList` calls it. The shortcuts return transformers' values bit for
 bit (tests/test_processing.py compares them on random, tied and bf16 rows); this file imports only torch and
@@ -23,9 +24,11 @@ transformers, like the rest of this folder.
 import math
 
 import torch
-from transformers import LogitsProcessorList, MinNewTokensLengthLogitsProcessor, TopPLogitsWarper
+from transformers import (
+    LogitsProcessorList, MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor, TopPLogitsWarper,
+)
 
-__all__ = ["process", "process_rows", "top_p", "min_new_tokens", "sorted_values"]
+__all__ = ["process", "process_rows", "top_p", "min_new_tokens", "min_length", "sorted_values"]
 
 
 def _bf16_table(device: torch.device) -> torch.Tensor:
@@ -100,17 +103,31 @@ def top_p(warper: TopPLogitsWarper, input_ids: torch.LongTensor, scores: torch.T
     return torch.stack(rows)
 
 
-def min_new_tokens(processor: MinNewTokensLengthLogitsProcessor, input_ids: torch.LongTensor, scores: torch.Tensor):
-    """`processor(input_ids, scores)`, bit for bit: the end-of-sequence scores set to -inf by index."""
+def _without_eos(eos_token_id: torch.Tensor, scores: torch.Tensor, too_short: bool) -> torch.Tensor:
+    """A copy of `scores`, its end-of-sequence columns -inf where `too_short`: what both length processors compute
+    with a vocabulary-sized range and `isin`."""
     processed = scores.clone()
-    if input_ids.shape[-1] - processor.prompt_length_to_skip < processor.min_new_tokens:
-        ids = processor.eos_token_id.to(scores.device).reshape(-1)
+    if too_short:
+        ids = eos_token_id.to(scores.device).reshape(-1)
         ids = ids[(ids >= 0) & (ids < scores.shape[-1])]  # isin over the vocabulary's range: other ids match nothing
         processed[..., ids] = -math.inf
     return processed
 
 
-_SHORTCUTS = {TopPLogitsWarper: top_p, MinNewTokensLengthLogitsProcessor: min_new_tokens}
+def min_new_tokens(processor: MinNewTokensLengthLogitsProcessor, input_ids: torch.LongTensor, scores: torch.Tensor):
+    """`processor(input_ids, scores)`, bit for bit: the end-of-sequence scores set to -inf by index."""
+    too_short = input_ids.shape[-1] - processor.prompt_length_to_skip < processor.min_new_tokens
+    return _without_eos(processor.eos_token_id, scores, too_short)
+
+
+def min_length(processor: MinLengthLogitsProcessor, input_ids: torch.LongTensor, scores: torch.Tensor):
+    """`processor(input_ids, scores)`, bit for bit (`generate` adds it beside the one above: `min_new_tokens` sets
+    `min_length` to the prompt's length plus it)."""
+    return _without_eos(processor.eos_token_id, scores, input_ids.shape[-1] < processor.min_length)
+
+
+_SHORTCUTS = {TopPLogitsWarper: top_p, MinNewTokensLengthLogitsProcessor: min_new_tokens,
+              MinLengthLogitsProcessor: min_length}
 
 
 def process(logits_processor, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
