@@ -84,6 +84,7 @@ def test_kernel_rows_times_the_attention_over_each_key_count(tmp_path):
     assert all(v > 0 for v in long["ms"].values()) and long["ratio"]["1"] == 1.0
     table = (out / "kernel-rows.md").read_text()
     assert "| 40 | " in table and "| 2 | " in table and "| w4a8" not in table
+    assert "the 1.5B target's forward" not in table  # another shape than the target's: no layer count to multiply by
 
 
 @pytest.mark.parametrize("args, problem", [(["--attention-heads", "12", "5", "128"], "divisible"),

@@ -138,9 +138,12 @@ def _attention_lines(report: dict) -> list[str]:
     rows = sorted({int(r) for e in entries for r in e["ms"]})
     shown = [r for r in rows if r in (1, 2, 4, 8, 12, 16) or r == rows[-1]]
     e0 = entries[0]
+    shape = (e0["heads"], e0["kv_heads"], e0["head_dim"])
+    model = (f"; times {report.get('layers_per_model', TARGET_LAYERS)} for the 1.5B target's forward"
+             if shape == TARGET_ATTENTION else "")
     lines = ["", f"The exact attention kernel, one layer ({e0['heads']} query heads, {e0['kv_heads']} key/value heads, "
-             f"head size {e0['head_dim']}): ms per call of r rows ending a sequence of N keys (ratio to one row); "
-             f"times {report.get('layers_per_model', TARGET_LAYERS)} for the 1.5B target's forward.", "",
+             f"head size {e0['head_dim']}): ms per call of r rows ending a sequence of N keys (ratio to one row){model}.",
+             "",
              "| keys | " + " | ".join(f"{r} rows" for r in shown) + " |", "|---|" + "---|" * len(shown)]
     for e in entries:
         lines.append(f"| {e['keys']} | " + " | ".join(
