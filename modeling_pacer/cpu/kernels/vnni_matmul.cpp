@@ -878,6 +878,9 @@ static inline __m256i f2bf_ps(__m512 v) {
 
 static inline __m512 bf2f_ps(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
 
+// the first min(n, 16) lanes: a loop's last, partial step over n elements
+static inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
+
 // e^x for 16 floats (Cephes' expf: x = n ln 2 + r, |r| <= ln 2 / 2, e^r by its degree-7 polynomial, then 2^n by
 // scalef; within 2 ulp of e^x, infinity past 88.7, zero below -104, NaN kept). The MLP's SiLU took a scalar expf a
 // hidden unit: about a seventh of a prompt's time.
@@ -902,7 +905,7 @@ static inline __m512 exp_ps(__m512 x) {
 // step: every unit of every row goes through the same instructions)
 static void silu_mul(const uint16_t* gate, const uint16_t* up, int64_t n, uint16_t* out) {
     for (int64_t i = 0; i < n; i += 16) {
-        const __mmask16 mask = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
+        const __mmask16 mask = first_lanes(n - i);
         const __m512 g = bf2f_ps(_mm256_maskz_loadu_epi16(mask, gate + i));
         const __m512 u = bf2f_ps(_mm256_maskz_loadu_epi16(mask, up + i));
         const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
@@ -1000,8 +1003,7 @@ static inline void scores16(const uint16_t* qr, const float* qf, const uint16_t*
         for (int y = 0; y < 4; ++y) acc[x + y] = a[y];
     }
 #endif
-    const __mmask16 mask = nb >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << nb) - 1);
-    _mm512_mask_storeu_ps(s, mask, _mm512_mul_ps(sum_lanes16(acc), _mm512_set1_ps(scaling)));
+    _mm512_mask_storeu_ps(s, first_lanes(nb), _mm512_mul_ps(sum_lanes16(acc), _mm512_set1_ps(scaling)));
 }
 
 template <int NH>
@@ -1017,13 +1019,13 @@ static void attend_heads(const uint16_t* const* qr, const float* qf, const uint1
         float* st = s + t * n;
         __m512 top = _mm512_set1_ps(-INFINITY);
         for (int64_t j = 0; j < n; j += 16) {
-            const __mmask16 mask = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
+            const __mmask16 mask = first_lanes(n - j);
             top = _mm512_max_ps(top, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), mask, st + j));
         }
         const __m512 tv = _mm512_set1_ps(_mm512_reduce_max_ps(top));
         __m512 sum = _mm512_setzero_ps();
         for (int64_t j = 0; j < n; j += 16) {
-            const __mmask16 mask = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
+            const __mmask16 mask = first_lanes(n - j);
             const __m512 p = _mm512_maskz_mov_ps(mask, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, st + j), tv)));
             _mm512_mask_storeu_ps(st + j, mask, p);
             sum = _mm512_add_ps(sum, p);
@@ -1081,8 +1083,10 @@ extern "C" void pacer_exact_attention(const uint16_t* q, const uint16_t* k, cons
             const uint16_t* qr[8];
             for (int64_t t = 0; t < nh; ++t) {
                 qr[t] = q + ((b * H + g * groups + h0 + t) * M + i) * D;
+#ifndef __AVX512BF16__  // the scores' fused multiply-adds read the query widened (vdpbf16ps reads its bf16)
                 for (int64_t c = 0; c < D; c += 16)
                     _mm512_storeu_ps(qf + t * D + c, bf2f_ps(_mm256_loadu_si256((const __m256i*)(qr[t] + c))));
+#endif
             }
             float* oh = o + h0 * D;
             switch (nh) {
