@@ -292,10 +292,11 @@ def validate(args) -> None:
         from .kernel_rows import check_shapes
 
         check_shapes(args.kinds, [tuple(shape) for shape in args.shapes])
-        heads, kv_heads, head_dim = args.attention_heads
-        if heads % kv_heads or head_dim % 16 or head_dim > 256:
-            raise ValueError(f"--attention-heads {heads} {kv_heads} {head_dim}: the kernel needs query heads divisible by "
-                             "key/value heads and a head size that is a multiple of 16 up to 256")
+        from modeling_pacer.cpu.kernels import ATTENTION_SHAPES, attention_shape_ok
+
+        if not attention_shape_ok(*args.attention_heads):
+            raise ValueError(f"--attention-heads {' '.join(map(str, args.attention_heads))}: the kernel needs "
+                             f"{ATTENTION_SHAPES}")
         if not args.kinds and not args.attention_keys:
             raise ValueError("--kinds with no kind times nothing: name a kind or give --attention-keys")
     if args.command == "device":

@@ -404,6 +404,14 @@ def decoder_layers(hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, h
     return _library().decoder_layers(hidden, cos, sin, head_dim, scaling, norms, eps, *weights, keys, values, held)
 
 
+ATTENTION_SHAPES = "query heads divisible by key/value heads and a head size that is a multiple of 16 up to 256"
+
+
+def attention_shape_ok(heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether the attention kernel takes this shape ([`ATTENTION_SHAPES`])."""
+    return not (heads % kv_heads or head_dim % 16 or head_dim > 256)
+
+
 def exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
                     scaling: float) -> torch.Tensor:
     """pacer_exact attention in one call: `query` (B, H, M, D), `key`/`value` (B, KV, L, D), bf16; row (b, i)
@@ -412,9 +420,9 @@ def exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     require_cpu(query, key, value, lo, hi)
     batch, heads, rows, dim = query.shape
     kv_heads = key.shape[1]
-    if dim % 16 or dim > 256 or heads % kv_heads or query.dtype != torch.bfloat16:
-        raise ValueError(f"exact_attention: needs bf16, head_dim a multiple of 16 up to 256 and heads divisible by "
-                         f"kv_heads; got {query.dtype}, head_dim {dim}, {heads}/{kv_heads} heads")
+    if not attention_shape_ok(heads, kv_heads, dim) or query.dtype != torch.bfloat16:
+        raise ValueError(f"exact_attention: needs bf16, {ATTENTION_SHAPES}; got {query.dtype}, head_dim {dim}, "
+                         f"{heads}/{kv_heads} heads")
     q, k, v = (t.to(torch.bfloat16).contiguous() for t in (query, key, value))
     lo, hi = lo.to(torch.int64).contiguous(), hi.to(torch.int64).contiguous()
     return _library().exact_attention(q, k, v, lo, hi, scaling)
