@@ -35,7 +35,7 @@ def _count_qkv_calls(monkeypatch, calls: list, record=lambda hidden: 1) -> None:
     for name in ("layer_qkv", "layer_qkv_cached"):
         monkeypatch.setattr(kernels, name, lambda *a, _f=getattr(kernels, name): calls.append(record(a[0])) or _f(*a))
     monkeypatch.setattr(kernels, "decoder_layers",
-                        lambda *a, _f=kernels.decoder_layers: calls.extend([record(a[0])] * len(a[-3])) or _f(*a))
+                        lambda *a, _f=kernels.decoder_layers, **k: calls.extend([record(a[0])] * len(a[-3])) or _f(*a, **k))
 
 
 def _int4_draft(seed: int = 0, arch: str = "qwen2"):
@@ -226,7 +226,7 @@ def test_one_kernel_call_for_all_layers_is_the_layers_calls(monkeypatch, kind):
     step = model.forward
     assert isinstance(step, FusedModelStep) and step._one_call
     calls = []
-    monkeypatch.setattr(kernels, "decoder_layers", lambda *a, _f=kernels.decoder_layers: calls.append(1) or _f(*a))
+    monkeypatch.setattr(kernels, "decoder_layers", lambda *a, _f=kernels.decoder_layers, **k: calls.append(1) or _f(*a, **k))
     ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(4))
     caches = [DynamicCache(config=model.config) for _ in range(2)]
     with torch.no_grad():
@@ -451,7 +451,7 @@ def test_the_layerwise_methods_are_their_methods_with_each_layer_called(monkeypa
     fuse_target_layers(target)
     draft = _noisy_draft(target_seed=1)
     calls = []
-    monkeypatch.setattr(kernels, "decoder_layers", lambda *a, _f=kernels.decoder_layers: calls.append(1) or _f(*a))
+    monkeypatch.setattr(kernels, "decoder_layers", lambda *a, _f=kernels.decoder_layers, **k: calls.append(1) or _f(*a, **k))
     methods = all_methods()
     methods["pacer"].policy = methods["pacer-layerwise"].policy = lambda *c: FixedLength(3)  # no head here
     methods["pacer"].needs_head = methods["pacer-layerwise"].needs_head = False
@@ -568,3 +568,54 @@ def test_a_split_of_a_fused_model_times_its_kernel_calls():
             timed = model(ids[:, -1:], past_key_values=cache, use_cache=True).logits
         assert set(spent) == {"cache_room", "layer_qkv_cached", "layer_rest"}
     assert torch.equal(untimed, timed)
+
+
+def test_a_packed_call_of_several_sequences_is_each_sequences_own_calls():
+    """decoder_layers with each row's slot and key range (a packed call: kernels.decoder_layers(..., rows=...)): two
+    sequences' prompts, then their steps, in one call each, give bitwise what each sequence's own calls give, rows and
+    cache alike, with more than 16 rows (the AMX path where it runs) and a row of one sequence between the other's;
+    slots or ranges outside the buffers are refused by the operator, not read."""
+    from modeling_pacer.custom_generate.rows import RowCache, packed_forward
+    from modeling_pacer.custom_generate.steps import cache_kwargs, model_forward
+
+    target = _w4a8_target(seed=4)
+    fuse_target_layers(target)
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, 96, (1, n), generator=g) for n in (13, 7)]
+    steps = [torch.randint(0, 96, (1, n), generator=g) for n in (5, 3)]
+    with torch.no_grad():
+        alone = []
+        for p, s in zip(prompts, steps):
+            cache = DynamicCache(config=target.config)
+            alone.append((model_forward(target, p, cache, p.shape[1])[0], model_forward(target, s, cache, 3)[0]))
+    calls = []
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setattr(kernels, "decoder_layers",
+                        lambda *a, _f=kernels.decoder_layers, **k: calls.append(k.get("rows") is not None) or _f(*a, **k))
+    try:
+        with torch.no_grad():
+            packed = RowCache(2, 24)
+            first = packed_forward(target, packed, [(0, prompts[0]), (1, prompts[1])], [13, 7], cache_kwargs=cache_kwargs)
+            second = packed_forward(target, packed, [(1, steps[1]), (0, steps[0])], [3, 3], cache_kwargs=cache_kwargs)
+    finally:
+        monkeypatch.undo()
+    assert calls == [True, True]  # both calls on the one-call kernel, with the rows' slots and ranges
+    assert torch.equal(first[0][0], alone[0][0]) and torch.equal(first[1][0], alone[1][0])
+    assert torch.equal(second[1][0], alone[0][1]) and torch.equal(second[0][0], alone[1][1])
+    layer = target.model.layers[0]
+    rest = target.forward.layers[0]
+    qkv, weights = rest._projections()
+    hidden = torch.randn(2, 256, generator=g).bfloat16()
+    cos = sin = torch.zeros(2, rest.head_dim, dtype=torch.bfloat16)
+    keys, values = packed.layers[0].keys, packed.layers[0].values
+    norm = layer.input_layernorm
+    with pytest.raises(RuntimeError, match="outside"):
+        kernels.layer_qkv_cached(hidden, norm.weight, norm.variance_epsilon, qkv, cos, sin, rest.head_dim, keys,
+                                 values, 0, torch.tensor([0, 48]))
+    q = kernels.layer_qkv_cached(hidden, norm.weight, norm.variance_epsilon, qkv, cos, sin, rest.head_dim, keys,
+                                 values, 0, torch.tensor([20, 44]))
+    post = layer.post_attention_layernorm
+    for lo, hi, message in (([0, 3], [2, 3], "sees no key"), ([0, 0], [2, 49], "outside")):
+        with pytest.raises(RuntimeError, match=message):
+            kernels.layer_rest(q, keys, values, rest.scaling, hidden, post.weight, post.variance_epsilon, weights,
+                               torch.tensor(lo), torch.tensor(hi))

@@ -145,6 +145,16 @@ def _read_row_ranges(attention_mask, q_len: int, kv_len: int, window: int | None
     return [_causal_ranges(rows, window, padded=True) for rows in visible]
 
 
+def _packed_bounds(packed, batch: int, q_len: int, kv_len: int, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The key ranges of a packed call of several sequences ([`modeling_pacer.custom_generate.rows`]): `(lo, hi)`, (M,)
+    int64 each, token t seeing keys lo_t..hi_t - 1, narrowed to the last `window` of them in a sliding layer."""
+    lo, hi = packed
+    if batch != 1 or lo.shape != (q_len,) or hi.shape != (q_len,) or int(hi.max()) > kv_len or bool((lo >= hi).any()):
+        raise ValueError(f"pacer_exact attention: a packed call's key ranges must give each of its {q_len} tokens "
+                         f"keys within the {kv_len} it is handed.")
+    return (torch.maximum(lo, hi - window) if window else lo), hi
+
+
 def exact_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -171,10 +181,16 @@ def exact_attention_forward(
         scaling = head_dim**-0.5
     window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
     softcap = kwargs.get("softcap")
-    ranges = _row_ranges(attention_mask, q_len, kv_len, window)
-
     dtype = query.dtype
-    if _kernel_applies(query, key, value, softcap, dropout):
+    packed = kwargs.get("pacer_key_ranges")  # several sequences packed into one call: each token's keys, given
+    if packed is not None:
+        lo, hi = _packed_bounds(packed, batch, q_len, kv_len, window)
+        if _kernel_applies(query, key, value, softcap, dropout):
+            return kernels.exact_attention(query, key, value, lo[None], hi[None], scaling).to(dtype), None
+        ranges = [list(zip(lo.tolist(), hi.tolist()))]
+    else:
+        ranges = _row_ranges(attention_mask, q_len, kv_len, window)
+    if packed is None and _kernel_applies(query, key, value, softcap, dropout):
         spans = [[span or (0, 0) for span in sequence] for sequence in ranges]
         bounds = torch.tensor(spans * batch if len(spans) == 1 else spans, dtype=torch.int64)  # (batch, q_len, 2)
         return kernels.exact_attention(query, key, value, bounds[..., 0], bounds[..., 1], scaling).to(dtype), None
@@ -234,8 +250,9 @@ def kernel_attention_forward(module, query, key, value, attention_mask, scaling=
     is there for speed alone (a draft: its numerics choose proposals, never the output), which must run wherever
     transformers runs it."""
     try:
-        _row_ranges(attention_mask, query.shape[2], key.shape[2],
-                    kwargs.get("sliding_window", getattr(module, "sliding_window", None)))
+        if kwargs.get("pacer_key_ranges") is None:
+            _row_ranges(attention_mask, query.shape[2], key.shape[2],
+                        kwargs.get("sliding_window", getattr(module, "sliding_window", None)))
     except ValueError:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)

@@ -32,6 +32,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from ..custom_generate.rows import RowCache
 from . import kernels
 from .quantization import Int4Linear, W4A8Linear, W8A8Linear
 
@@ -85,6 +86,21 @@ def cache_room(layer: DynamicLayer, rows: int, kv_heads: int, head_dim: int) -> 
         v_buffer[:, :, :held].copy_(values)
     layer._pacer_room = (k_buffer, v_buffer)
     return k_buffer, v_buffer, held
+
+
+def row_buffers(cache: RowCache, layer_idx: int, kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [`RowCache`] layer's buffers `(keys, values)`, (1, `kv_heads`, batch * capacity, `head_dim`) bf16, made on the
+    layer's first call: a packed call's rows are written at its slots and read in its ranges."""
+    layer = cache.layer(layer_idx)
+    if not layer.is_initialized:
+        layer.lazy_initialization(*(torch.empty(1, kv_heads, 0, head_dim, dtype=torch.bfloat16),) * 2)
+    return layer.keys, layer.values
+
+
+def packed_call(cache, rows: int):
+    """The packed call of several sequences ([`RowCache.plan`]) whose `rows` tokens these are, or None."""
+    call = getattr(cache, "call", None) if isinstance(cache, RowCache) else None
+    return call if call is not None and call.slots.shape[0] == rows else None
 
 
 def writes_in_place(cache) -> bool:
@@ -150,6 +166,14 @@ class FusedDecoderStep:
         layer, call = self.layer, self._call
         qkv, rest = self._projections()
         norm = layer.input_layernorm
+        packed = packed_call(cache, hidden.shape[0])
+        if packed is not None:  # several sequences' rows: each written at its slot, each seeing its own keys
+            k_buffer, v_buffer = call(row_buffers, cache, self.layer_idx, self.kv_heads, self.head_dim)
+            q = call(kernels.layer_qkv_cached, hidden, norm.weight, norm.variance_epsilon, qkv, cos, sin,
+                     self.head_dim, k_buffer, v_buffer, 0, packed.slots)
+            norm = layer.post_attention_layernorm
+            return call(kernels.layer_rest, q, k_buffer, v_buffer, self.scaling, hidden, norm.weight,
+                        norm.variance_epsilon, rest, packed.lo, packed.hi)
         if writes_in_place(cache):  # the new keys and values written into the cache's buffers by the kernel
             rows, cached = hidden.shape[0], cache.layers[self.layer_idx]
             k_buffer, v_buffer, held = call(cache_room, cached, rows, self.kv_heads, self.head_dim)
@@ -193,8 +217,12 @@ class FusedDecoderStep:
     def _takes(self, hidden_states, attention_mask, cache, position_embeddings) -> bool:
         if (position_embeddings is None or hidden_states.dim() != 3 or hidden_states.shape[0] != 1
                 or hidden_states.shape[2] != self.hidden
-                or not self.routable(hidden_states.shape[1], hidden_states.dtype)
                 or position_embeddings[0].shape[-2] != hidden_states.shape[1]):
+            return False
+        packed = packed_call(cache, hidden_states.shape[1])
+        if packed is not None:  # a packed call: the rows' slots and ranges are the cache's plan, the mask says the same
+            return self.routable(packed.longest, hidden_states.dtype) and self.routable(1, hidden_states.dtype)
+        if not self.routable(hidden_states.shape[1], hidden_states.dtype):
             return False
         if cache is None:
             if self.max_rows is not None:  # a draft's steps always have a cache
@@ -248,13 +276,21 @@ class FusedModelStep:
                                  inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
                                  logits_to_keep=logits_to_keep, **{self.cache_name: cache}, **kwargs)
         inner = self.model.model
-        rows, past = input_ids.shape[1], cache.get_seq_length()
+        rows = input_ids.shape[1]
         hidden = inner.embed_tokens(input_ids)
-        positions = torch.arange(past, past + rows)[None]
+        packed = packed_call(cache, rows)
+        if packed is not None:
+            positions = packed.positions[None]
+        else:
+            past = cache.get_seq_length()
+            positions = torch.arange(past, past + rows)[None]
         cos, sin = rotary_tables(inner.rotary_emb(hidden, positions), self.layers[0].head_dim)
         x = self._layers(hidden.reshape(rows, -1).contiguous(), cos, sin, cache)
         x = inner.norm(x[None])
-        keep = x if not logits_to_keep else x[:, -logits_to_keep:]
+        if isinstance(logits_to_keep, torch.Tensor):  # the rows a packed call keeps: each sequence's last ones
+            keep = x[:, logits_to_keep]
+        else:
+            keep = x if not logits_to_keep else x[:, -logits_to_keep:]
         return CausalLMOutputWithPast(logits=self.model.lm_head(keep), past_key_values=cache)
 
     def _layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache) -> torch.Tensor:
@@ -262,24 +298,41 @@ class FusedModelStep:
         its buffers ([`cache_room`]); layer by layer where that cannot be (an offloaded cache, torch.compile tracing,
         a clock on the layers' calls: [`timed_kernels`]). The same bits either way."""
         steps = self.layers
-        if not self._one_call or not writes_in_place(cache) or any(s._call is not _untimed for s in steps):
+        packed = packed_call(cache, x.shape[0])
+        if (not self._one_call or (packed is None and not writes_in_place(cache))
+                or any(s._call is not _untimed for s in steps)):
             for step in steps:
                 x = step.step(x, cos, sin, cache)
             return x
-        rows, layers = x.shape[0], cache.layers
-        rooms = [cache_room(layers[s.layer_idx], rows, s.kv_heads, s.head_dim) for s in steps]
+        rows = x.shape[0]
+        if packed is not None:  # a packed call: every layer writes the rows at their slots, reads their ranges
+            rooms = [(*row_buffers(cache, s.layer_idx, s.kv_heads, s.head_dim), 0) for s in steps]
+        else:
+            rooms = [cache_room(cache.layers[s.layer_idx], rows, s.kv_heads, s.head_dim) for s in steps]
         norms = [n for s in steps for n in (s.layer.input_layernorm, s.layer.post_attention_layernorm)]
         fields = [[None if name is None else buffers[name] for buffers, name in pairs] for pairs in self._fields]
         out = kernels.decoder_layers(x, cos, sin, steps[0].head_dim, steps[0].scaling, [n.weight for n in norms],
                                      [n.variance_epsilon for n in norms], (self._kinds, *fields, self._sizes),
-                                     [r[0] for r in rooms], [r[1] for r in rooms], [r[2] for r in rooms])
-        for s, (keys, values, held) in zip(steps, rooms):
-            hold(layers[s.layer_idx], keys, values, held + rows)
+                                     [r[0] for r in rooms], [r[1] for r in rooms], [r[2] for r in rooms],
+                                     rows=None if packed is None else (packed.slots, packed.lo, packed.hi))
+        if packed is None:
+            for s, (keys, values, held) in zip(steps, rooms):
+                hold(cache.layers[s.layer_idx], keys, values, held + rows)
         return out
 
     def _takes(self, input_ids, attention_mask, position_ids, cache, inputs_embeds, labels, kwargs) -> bool:
         if (input_ids is None or input_ids.dim() != 2 or input_ids.shape[0] != 1 or inputs_embeds is not None
-                or labels is not None or torch.is_grad_enabled() or type(cache) is not DynamicCache
+                or labels is not None or torch.is_grad_enabled()):
+            return False
+        packed = packed_call(cache, input_ids.shape[1])
+        if packed is not None:  # several sequences packed: the cache's plan says each row's place and keys
+            dtype = self.model.model.embed_tokens.weight.dtype
+            return (not any(value is not None and value is not False for key, value in kwargs.items()
+                            if key not in ("return_dict", "pacer_key_ranges"))
+                    and (position_ids is None or torch.equal(position_ids.reshape(-1), packed.positions))
+                    and all(layer.forward is s and s.routable(packed.longest, dtype)
+                            for s, layer in zip(self.layers, self.model.model.layers)))
+        if (type(cache) is not DynamicCache
                 # plain generate asks for a dict, which this returns
                 or any(value is not None and value is not False and not (key == "return_dict" and value is True)
                        for key, value in kwargs.items())

@@ -9,6 +9,8 @@ from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import StaticLayer
 from transformers.generation.utils import ALL_CACHE_NAMES
 
+from .rows import RowCache, packed_forward
+
 # --------------------------------------------------------------------------------------------------
 # the cache's name: transformers 5.24 renamed it from `past_key_values` to `cache`, both in the
 # `model_kwargs` that `generate` hands a decoding method and in the models' forwards
@@ -44,6 +46,30 @@ def model_forward(model, tokens: torch.LongTensor, cache, num_logits: int, hidde
     logits = out.logits[:, -num_logits:, :].float()
     states = out.hidden_states[-1][:, -num_logits:, :] if hidden else None
     return logits, states
+
+
+def rows_forward(model, cache, feeds: list[tuple[int, torch.LongTensor]], num_logits: list[int], hidden: bool = False):
+    """Feed each `(row, tokens (1, n))` of `feeds` after what its sequence of `cache` holds, in one forward: a
+    [`RowCache`]'s sequences packed into one call ([`packed_forward`]), a single sequence's cache as
+    [`model_forward`]. Returns one [`model_forward`] result per feed."""
+    if isinstance(cache, RowCache):
+        return packed_forward(model, cache, feeds, num_logits, hidden, cache_kwargs)
+    if len(feeds) != 1 or feeds[0][0] != 0:
+        raise ValueError("a single sequence's cache takes one sequence's tokens")
+    return [model_forward(model, feeds[0][1], cache, num_logits[0], hidden)]
+
+
+def row_length(cache, row: int) -> int:
+    """How many positions sequence `row` of `cache` holds (a single sequence's cache: row 0)."""
+    return cache.lengths[row] if isinstance(cache, RowCache) else cache_length(cache)
+
+
+def crop_row(cache, row: int, length: int) -> None:
+    """Keep the first `length` positions of sequence `row` of `cache` ([`crop_cache`] for a single sequence's)."""
+    if isinstance(cache, RowCache):
+        cache.crop_row(row, length)
+    else:
+        crop_cache(cache, length)
 
 
 def cache_length(cache) -> int:

@@ -45,7 +45,7 @@ from ...host import build_once, cache_root, cpuinfo_field, private_folder, trust
 SOURCE = Path(__file__).with_name("vnni_matmul.cpp")  # the kernels (raw pointers)
 OPS = Path(__file__).with_name("ops.cpp")  # their torch operators; includes SOURCE
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
-ABI = 15  # pacer_kernel_abi() of the source this module calls
+ABI = 16  # pacer_kernel_abi() of the source this module calls
 
 
 def _torch_flags() -> list[str]:
@@ -169,14 +169,15 @@ def _register_fakes() -> None:
         return tuple(hidden.new_empty((1, size // head_dim, rows, head_dim), dtype=torch.bfloat16) for size in n)
 
     @fake("pacer::layer_qkv_cached")
-    def _(hidden, norm, eps, kinds, packed, a, mn, dd, bias, n, cos, sin, head_dim, keys, values, at):
+    def _(hidden, norm, eps, kinds, packed, a, mn, dd, bias, n, cos, sin, head_dim, keys, values, at, slots=None):
         return hidden.new_empty((1, n[0] // head_dim, hidden.shape[0], head_dim), dtype=torch.bfloat16)
 
     fake("pacer::decoder_layers")(
-        lambda hidden, cos, sin, head_dim, scaling, norms, eps, kinds, packed, a, mn, dd, bias, n, keys, values, held:
-        torch.empty_like(hidden))
+        lambda hidden, cos, sin, head_dim, scaling, norms, eps, kinds, packed, a, mn, dd, bias, n, keys, values, held,
+        slots=None, lo=None, hi=None: torch.empty_like(hidden))
     fake("pacer::layer_rest")(
-        lambda q, keys, values, scaling, hidden, norm, eps, kinds, packed, a, mn, dd, bias, n: torch.empty_like(hidden))
+        lambda q, keys, values, scaling, hidden, norm, eps, kinds, packed, a, mn, dd, bias, n, lo=None, hi=None:
+        torch.empty_like(hidden))
 
 
 def available() -> bool:
@@ -370,38 +371,45 @@ def layer_qkv(hidden: torch.Tensor, norm: torch.Tensor, eps: float, weights, cos
 
 
 def layer_qkv_cached(hidden: torch.Tensor, norm: torch.Tensor, eps: float, weights, cos: torch.Tensor,
-                     sin: torch.Tensor, head_dim: int, keys: torch.Tensor, values: torch.Tensor, at: int) -> torch.Tensor:
+                     sin: torch.Tensor, head_dim: int, keys: torch.Tensor, values: torch.Tensor, at: int,
+                     slots: torch.Tensor | None = None) -> torch.Tensor:
     """[`layer_qkv`] writing k and v in place into a cache's buffers `keys` / `values` ((1, kv_heads, capacity,
     head_dim), bf16, contiguous) at positions `at` .. `at + m - 1`, instead of returning them; returns q. The same
-    bits as [`layer_qkv`]'s k and v: only where they are stored differs."""
+    bits as [`layer_qkv`]'s k and v: only where they are stored differs. `slots` ((m,) int64): row r's position
+    instead (the rows of several sequences packed into one call, each at its own sequence's place; `at` unused)."""
     require_cpu(hidden, norm, cos, sin, keys, values)
     if keys.dtype != torch.bfloat16 or values.dtype != torch.bfloat16:
         raise ValueError(f"layer_qkv_cached: the cache buffers must be bf16, got {keys.dtype} / {values.dtype}")
-    return _library().layer_qkv_cached(hidden, norm, eps, *weights, cos, sin, head_dim, keys, values, at)
+    return _library().layer_qkv_cached(hidden, norm, eps, *weights, cos, sin, head_dim, keys, values, at, slots)
 
 
 def layer_rest(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, hidden: torch.Tensor,
-               norm: torch.Tensor, eps: float, weights) -> torch.Tensor:
+               norm: torch.Tensor, eps: float, weights, lo: torch.Tensor | None = None,
+               hi: torch.Tensor | None = None) -> torch.Tensor:
     """The rest of a decoder layer for the m new tokens: `q` (1, heads, m, d) attends to `keys`/`values`
     (1, kv_heads, length, d, the new tokens last, each head's rows contiguous: a tensor of their own or the first
-    positions of a cache's buffer; row r sees keys 0..length - m + r), then o_proj, the residual onto
+    positions of a cache's buffer; row r sees keys 0..length - m + r, or `lo[r]`..`hi[r] - 1` where the bounds are
+    given, (m,) int64 each: a packed call's rows, each seeing its own sequence's keys), then o_proj, the residual onto
     `hidden` (m, size), RMSNorm (`norm`, `eps`), the SiLU-gated MLP and its residual. `weights`: the o, gate, up,
     down layers' as [`layer_qkv`] reads them. bf16 in and out, (m, size)."""
     require_cpu(q, keys, values, hidden, norm)
-    return _library().layer_rest(q, keys, values, scaling, hidden, norm, eps, *weights)
+    return _library().layer_rest(q, keys, values, scaling, hidden, norm, eps, *weights, lo, hi)
 
 
 def decoder_layers(hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int, scaling: float,
-                   norms: list, eps: list, weights, keys: list, values: list, held: list) -> torch.Tensor:
+                   norms: list, eps: list, weights, keys: list, values: list, held: list,
+                   rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """A model's decoder layers in one call, each as [`layer_qkv_cached`] then [`layer_rest`] compute it (the same
     bits), layer l's keys and values written into `keys[l]` / `values[l]` ((1, kv_heads, capacity, head_dim) bf16,
     contiguous) after the `held[l]` positions they hold. `norms` / `eps`: two a layer (before attention, after it);
     `weights`: seven projections a layer (q, k, v, o, gate, up, down) as [`layer_qkv`] reads three. `hidden` (m, size)
-    bf16 -> (m, size) bf16."""
+    bf16 -> (m, size) bf16. `rows`: `(slots, lo, hi)`, (m,) int64 each, for a packed call: every layer writes row r at
+    `slots[r]` and row r attends to keys `lo[r]`..`hi[r] - 1` (`held` unused; the layers' buffers of one capacity)."""
     require_cpu(hidden, cos, sin, *norms, *keys, *values)
     if any(t.dtype != torch.bfloat16 for t in (*keys, *values)):
         raise ValueError("decoder_layers: the cache buffers must be bf16")
-    return _library().decoder_layers(hidden, cos, sin, head_dim, scaling, norms, eps, *weights, keys, values, held)
+    return _library().decoder_layers(hidden, cos, sin, head_dim, scaling, norms, eps, *weights, keys, values, held,
+                                     *(rows or (None, None, None)))
 
 
 ATTENTION_SHAPES = "query heads divisible by key/value heads and a head size that is a multiple of 16 up to 256"

@@ -138,7 +138,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_qkv(
     pacer_layer_qkv(in<uint16_t>(hidden), m, hidden.size(1), in<uint16_t>(norm), static_cast<float>(eps), ws.data(),
                     in<uint16_t>(cos), in<uint16_t>(sin), head_dim, static_cast<uint16_t*>(q.mutable_data_ptr()),
                     static_cast<uint16_t*>(k.mutable_data_ptr()), static_cast<uint16_t*>(v.mutable_data_ptr()),
-                    m * head_dim, 0);
+                    m * head_dim, 0, nullptr);
     return {q, k, v};
 }
 
@@ -153,22 +153,47 @@ void check_cache_buffers(const at::Tensor& keys, const at::Tensor& values, const
                 "rows");
 }
 
+// m int64 positions, each in [low, high): the rows' cache slots or key bounds of a packed call (several sequences'
+// rows in one call); null where not given
+const int64_t* positions(const std::optional<at::Tensor>& t, int64_t m, int64_t low, int64_t high, const char* what) {
+    if (!t) return nullptr;
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->dim() == 1 && t->size(0) == m, what,
+                ": one int64 position per row");
+    const int64_t* p = in<int64_t>(*t);
+    for (int64_t r = 0; r < m; ++r) TORCH_CHECK(p[r] >= low && p[r] < high, what, ": position ", p[r], " outside [", low,
+                                                ", ", high, ")");
+    return p;
+}
+
+// a packed call's key bounds: row r sees keys lo[r] .. hi[r] - 1 of `length`, at least one; both given or neither
+std::pair<const int64_t*, const int64_t*> key_bounds(const std::optional<at::Tensor>& lo,
+                                                     const std::optional<at::Tensor>& hi, int64_t m, int64_t length,
+                                                     const char* what) {
+    TORCH_CHECK(lo.has_value() == hi.has_value(), what, ": the rows' key bounds come as lo and hi together");
+    const int64_t* l = positions(lo, m, 0, length, what);
+    const int64_t* h = positions(hi, m, 1, length + 1, what);
+    for (int64_t r = 0; l && r < m; ++r) TORCH_CHECK(l[r] < h[r], what, ": row ", r, " sees no key");
+    return {l, h};
+}
+
 // layer_qkv writing the new keys and values into a cache's buffers at positions at .. at + m - 1; returns q
 at::Tensor layer_qkv_cached(
         const at::Tensor& hidden, const at::Tensor& norm, double eps, const std::vector<int64_t>& kinds,
         const std::vector<at::Tensor>& packed, const std::vector<at::Tensor>& a,
         const std::vector<std::optional<at::Tensor>>& mn, const std::vector<std::optional<at::Tensor>>& dd,
         const std::vector<std::optional<at::Tensor>>& bias, const std::vector<int64_t>& n, const at::Tensor& cos,
-        const at::Tensor& sin, int64_t head_dim, at::Tensor& keys, at::Tensor& values, int64_t at) {
+        const at::Tensor& sin, int64_t head_dim, at::Tensor& keys, at::Tensor& values, int64_t at,
+        const std::optional<at::Tensor>& slots) {
     const auto ws = weights(kinds, packed, a, mn, dd, bias, n);
     TORCH_CHECK(ws.size() == 3, "pacer::layer_qkv_cached reads the q, k and v projections");
     const int64_t m = hidden.size(0), capacity = keys.size(2);
-    check_cache_buffers(keys, values, ws.data(), head_dim, at, m, "pacer::layer_qkv_cached");
+    check_cache_buffers(keys, values, ws.data(), head_dim, slots ? 0 : at, slots ? 0 : m, "pacer::layer_qkv_cached");
+    const int64_t* rows = positions(slots, m, 0, capacity, "pacer::layer_qkv_cached slots");
     auto q = at::empty({1, ws[0].n / head_dim, m, head_dim}, at::TensorOptions().dtype(at::kBFloat16));
     pacer_layer_qkv(in<uint16_t>(hidden), m, hidden.size(1), in<uint16_t>(norm), static_cast<float>(eps), ws.data(),
                     in<uint16_t>(cos), in<uint16_t>(sin), head_dim, static_cast<uint16_t*>(q.mutable_data_ptr()),
                     static_cast<uint16_t*>(keys.mutable_data_ptr()), static_cast<uint16_t*>(values.mutable_data_ptr()),
-                    capacity * head_dim, at);
+                    capacity * head_dim, at, rows);
     return q;
 }
 
@@ -177,7 +202,8 @@ at::Tensor layer_rest(const at::Tensor& q, const at::Tensor& keys, const at::Ten
                       const std::vector<at::Tensor>& packed, const std::vector<at::Tensor>& a,
                       const std::vector<std::optional<at::Tensor>>& mn,
                       const std::vector<std::optional<at::Tensor>>& dd,
-                      const std::vector<std::optional<at::Tensor>>& bias, const std::vector<int64_t>& n) {
+                      const std::vector<std::optional<at::Tensor>>& bias, const std::vector<int64_t>& n,
+                      const std::optional<at::Tensor>& lo, const std::optional<at::Tensor>& hi) {
     const auto ws = weights(kinds, packed, a, mn, dd, bias, n);
     TORCH_CHECK(ws.size() == 4, "pacer::layer_rest reads the o, gate, up and down projections");
     // keys and values: each head's rows contiguous (a tensor of their own, or the first positions of a cache's buffer)
@@ -187,10 +213,11 @@ at::Tensor layer_rest(const at::Tensor& q, const at::Tensor& keys, const at::Ten
                     (keys.size(1) == 1 || keys.stride(1) >= keys.size(2) * d),
                 "pacer::layer_rest: keys and values must be (1, kv_heads, length, head_dim) with each head's rows "
                 "contiguous");
+    const auto bounds = key_bounds(lo, hi, q.size(2), keys.size(2), "pacer::layer_rest");
     auto out = at::empty(hidden.sizes(), hidden.options());
     pacer_layer_rest(in<uint16_t>(q), in<uint16_t>(keys), in<uint16_t>(values), q.size(2), q.size(1), keys.size(1),
                      keys.size(2), d, keys.size(1) == 1 ? keys.size(2) * d : keys.stride(1), static_cast<float>(scaling), in<uint16_t>(hidden), hidden.size(-1),
-                     in<uint16_t>(norm), static_cast<float>(eps), ws.data(), ws[1].n,
+                     in<uint16_t>(norm), static_cast<float>(eps), ws.data(), ws[1].n, bounds.first, bounds.second,
                      static_cast<uint16_t*>(out.mutable_data_ptr()));
     return out;
 }
@@ -204,7 +231,8 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const at::Tensor& cos, const
                           const std::vector<std::optional<at::Tensor>>& dd,
                           const std::vector<std::optional<at::Tensor>>& bias, const std::vector<int64_t>& n,
                           const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
-                          const std::vector<int64_t>& held) {
+                          const std::vector<int64_t>& held, const std::optional<at::Tensor>& slots,
+                          const std::optional<at::Tensor>& lo, const std::optional<at::Tensor>& hi) {
     const auto ws = weights(kinds, packed, a, mn, dd, bias, n);
     const int64_t layers = static_cast<int64_t>(keys.size()), m = hidden.size(0);
     TORCH_CHECK(layers > 0 && ws.size() == size_t(7 * layers) && norms.size() == size_t(2 * layers) &&
@@ -218,8 +246,10 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const at::Tensor& cos, const
     for (int64_t l = 0; l < layers; ++l) {
         const at::Tensor& k = keys[l];
         const at::Tensor& v = values[l];
-        check_cache_buffers(k, v, ws.data() + 7 * l, head_dim, held[l], m,
+        check_cache_buffers(k, v, ws.data() + 7 * l, head_dim, slots ? 0 : held[l], slots ? 0 : m,
                             ("pacer::decoder_layers, layer " + std::to_string(l)).c_str());
+        TORCH_CHECK(!slots || k.size(2) == keys[0].size(2),
+                    "pacer::decoder_layers: a packed call's layers share one capacity (its slots are every layer's)");
         norm_ptrs.push_back(in<uint16_t>(norms[2 * l]));
         norm_ptrs.push_back(in<uint16_t>(norms[2 * l + 1]));
         eps_f.push_back(static_cast<float>(eps[2 * l]));
@@ -228,10 +258,15 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const at::Tensor& cos, const
         value_ptrs.push_back(static_cast<uint16_t*>(v.mutable_data_ptr()));
         capacity.push_back(k.size(2));
     }
+    TORCH_CHECK(slots.has_value() == lo.has_value(), "pacer::decoder_layers: a packed call gives its rows' slots and "
+                "key bounds together");
+    const int64_t* rows = positions(slots, m, 0, capacity[0], "pacer::decoder_layers slots");
+    const auto bounds = key_bounds(lo, hi, m, capacity[0], "pacer::decoder_layers");
     auto out = at::empty(hidden.sizes(), hidden.options());
     pacer_decoder_layers(in<uint16_t>(hidden), m, hidden.size(1), layers, norm_ptrs.data(), eps_f.data(), ws.data(),
                          in<uint16_t>(cos), in<uint16_t>(sin), head_dim, static_cast<float>(scaling), key_ptrs.data(),
-                         value_ptrs.data(), capacity.data(), held.data(), static_cast<uint16_t*>(out.mutable_data_ptr()));
+                         value_ptrs.data(), capacity.data(), held.data(), rows, bounds.first, bounds.second,
+                         static_cast<uint16_t*>(out.mutable_data_ptr()));
     return out;
 }
 #endif
@@ -259,12 +294,13 @@ TORCH_LIBRARY(pacer, m) {
           "Tensor?[] dd, Tensor?[] bias, int[] n, Tensor cos, Tensor sin, int head_dim) -> (Tensor, Tensor, Tensor)");
     m.def("layer_qkv_cached(Tensor hidden, Tensor norm, float eps, int[] kinds, Tensor[] packed, Tensor[] a, "
           "Tensor?[] mn, Tensor?[] dd, Tensor?[] bias, int[] n, Tensor cos, Tensor sin, int head_dim, "
-          "Tensor(a!) keys, Tensor(b!) values, int at) -> Tensor");
+          "Tensor(a!) keys, Tensor(b!) values, int at, Tensor? slots=None) -> Tensor");
     m.def("decoder_layers(Tensor hidden, Tensor cos, Tensor sin, int head_dim, float scaling, Tensor[] norms, "
           "float[] eps, int[] kinds, Tensor[] packed, Tensor[] a, Tensor?[] mn, Tensor?[] dd, Tensor?[] bias, int[] n, "
-          "Tensor(a!)[] keys, Tensor(b!)[] values, int[] held) -> Tensor");
+          "Tensor(a!)[] keys, Tensor(b!)[] values, int[] held, Tensor? slots=None, Tensor? lo=None, Tensor? hi=None) -> Tensor");
     m.def("layer_rest(Tensor q, Tensor keys, Tensor values, float scaling, Tensor hidden, Tensor norm, float eps, "
-          "int[] kinds, Tensor[] packed, Tensor[] a, Tensor?[] mn, Tensor?[] dd, Tensor?[] bias, int[] n) -> Tensor");
+          "int[] kinds, Tensor[] packed, Tensor[] a, Tensor?[] mn, Tensor?[] dd, Tensor?[] bias, int[] n, Tensor? lo=None, "
+          "Tensor? hi=None) -> Tensor");
 #endif
 }
 

@@ -29,7 +29,7 @@
 #include <immintrin.h>
 #endif
 
-extern "C" int pacer_kernel_abi() { return 15; }
+extern "C" int pacer_kernel_abi() { return 16; }
 
 #ifdef PACER_VNNI
 extern "C" int pacer_vnni_available() { return 1; }
@@ -1187,19 +1187,23 @@ static void linear_rows(const Weight& w, Inputs& in, uint16_t* out) {
 }
 
 // (m, heads, d) rows -> (heads, m, d), as transformers' attention and cache hold them: head h's rows from
-// out + h * stride (stride m * d for a tensor of these rows alone), row r at its row `at + r`
+// out + h * stride (stride m * d for a tensor of these rows alone), row r at its row `at + r`, or at slots[r] where
+// `slots` is given (the rows of several sequences packed into one call, each written at its own sequence's position)
 static void heads_first(const uint16_t* x, int64_t m, int64_t heads, int64_t d, int64_t stride, int64_t at,
-                        uint16_t* out) {
-    for (int64_t r = 0; r < m; ++r)
-        for (int64_t h = 0; h < heads; ++h) std::memcpy(out + h * stride + (at + r) * d, x + (r * heads + h) * d, d * 2);
+                        const int64_t* slots, uint16_t* out) {
+    for (int64_t r = 0; r < m; ++r) {
+        const int64_t row = slots ? slots[r] : at + r;
+        for (int64_t h = 0; h < heads; ++h) std::memcpy(out + h * stride + row * d, x + (r * heads + h) * d, d * 2);
+    }
 }
 
 // ws: q, k, v projections. h (m, hidden) -> q (heads, m, d), k and v rotated (cos, sin: (m, d)), bf16. k and v go to
 // rows at .. at + m - 1 of each head's `kv_stride` elements (at 0 and m * d: tensors (kv_heads, m, d) of their own;
-// a cache's buffers (kv_heads, capacity, d): capacity * d, `at` the positions it holds), written in place.
+// a cache's buffers (kv_heads, capacity, d): capacity * d, `at` the positions it holds), written in place; with
+// `slots` (m positions, or null), row r's to slots[r] instead.
 extern "C" void pacer_layer_qkv(const uint16_t* h, int64_t m, int64_t hidden, const uint16_t* norm, float eps,
                                 const Weight* ws, const uint16_t* cos, const uint16_t* sin, int64_t d, uint16_t* q,
-                                uint16_t* k, uint16_t* v, int64_t kv_stride, int64_t at) {
+                                uint16_t* k, uint16_t* v, int64_t kv_stride, int64_t at, const int64_t* slots) {
     uint16_t* x = new uint16_t[m * hidden];
 #pragma omp parallel for schedule(static) if (m >= PARALLEL_ROWS)
     for (int64_t r = 0; r < m; ++r) rms_norm(h + r * hidden, norm, hidden, eps, x + r * hidden);
@@ -1213,25 +1217,30 @@ extern "C" void pacer_layer_qkv(const uint16_t* h, int64_t m, int64_t hidden, co
 #pragma omp parallel for schedule(static) if (m >= PARALLEL_ROWS)
             for (int64_t r = 0; r < m; ++r) rotary(rows + r * n, n / d, d, cos + r * d, sin + r * d);
         }
-        if (i == 0) heads_first(rows, m, n / d, d, m * d, 0, outs[i]);
-        else heads_first(rows, m, n / d, d, kv_stride, at, outs[i]);
+        if (i == 0) heads_first(rows, m, n / d, d, m * d, 0, nullptr, outs[i]);
+        else heads_first(rows, m, n / d, d, kv_stride, at, slots, outs[i]);
         delete[] rows;
     }
     delete[] x;
 }
 
 // ws: o, gate, up, down projections. q (heads, m, d), the m new tokens' queries, against the cached keys and values
-// (kv_heads, length, d, heads `kv_stride` elements apart; the new tokens last): row r sees keys 0 .. length - m + r.
-// Then o_proj, the residual, the MLP and its residual: h (m, hidden) -> out (m, hidden), bf16.
+// (kv_heads, length, d, heads `kv_stride` elements apart; the new tokens last): row r sees keys 0 .. length - m + r,
+// or keys_lo[r] .. keys_hi[r] - 1 where they are given (m bounds each: the rows of several sequences packed into one
+// call, each seeing its own sequence's keys). Then o_proj, the residual, the MLP and its residual: h (m, hidden) ->
+// out (m, hidden), bf16.
 extern "C" void pacer_layer_rest(const uint16_t* q, const uint16_t* keys, const uint16_t* values, int64_t m,
                                  int64_t heads, int64_t kv_heads, int64_t length, int64_t d, int64_t kv_stride,
                                  float scaling,
                                  const uint16_t* h, int64_t hidden, const uint16_t* norm, float eps, const Weight* ws,
-                                 int64_t inter, uint16_t* out) {
+                                 int64_t inter, const int64_t* keys_lo, const int64_t* keys_hi, uint16_t* out) {
     float* attn = new float[m * heads * d];
     int64_t* lo = new int64_t[m];
     int64_t* hi = new int64_t[m];
-    for (int64_t r = 0; r < m; ++r) { lo[r] = 0; hi[r] = length - m + r + 1; }
+    for (int64_t r = 0; r < m; ++r) {
+        lo[r] = keys_lo ? keys_lo[r] : 0;
+        hi[r] = keys_hi ? keys_hi[r] : length - m + r + 1;
+    }
     pacer_exact_attention(q, keys, values, 1, heads, kv_heads, m, length, d, kv_stride, lo, hi, scaling, attn);
     const int64_t wide = heads * d > inter ? heads * d : inter;
     uint16_t* a = new uint16_t[m * wide];
@@ -1275,12 +1284,15 @@ extern "C" void pacer_layer_rest(const uint16_t* q, const uint16_t* keys, const 
 // A decoder's layers one after another over one sequence's cache, the new keys and values written in place:
 // for each layer l, its two calls above (norms[2l], eps[2l] before attention; norms[2l + 1], eps[2l + 1] after;
 // ws[7l .. 7l + 6]: q, k, v, o, gate, up, down), keys[l] / values[l] its cache buffers (kv_heads, capacity, d)
-// holding held[l] positions. h (m, hidden) -> out (m, hidden), bf16: the bits the calls layer by layer give.
+// holding held[l] positions. h (m, hidden) -> out (m, hidden), bf16: the bits the calls layer by layer give. With
+// `slots`, `keys_lo` and `keys_hi` (m each, or null), every layer writes row r's key and value at slots[r] and row r
+// attends to keys_lo[r] .. keys_hi[r] - 1 (held then unused): a call of several sequences' rows packed together.
 extern "C" void pacer_decoder_layers(const uint16_t* h, int64_t m, int64_t hidden, int64_t layers,
                                      const uint16_t* const* norms, const float* eps, const Weight* ws,
                                      const uint16_t* cos, const uint16_t* sin, int64_t d, float scaling,
                                      uint16_t* const* keys, uint16_t* const* values, const int64_t* capacity,
-                                     const int64_t* held, uint16_t* out) {
+                                     const int64_t* held, const int64_t* slots, const int64_t* keys_lo,
+                                     const int64_t* keys_hi, uint16_t* out) {
     uint16_t* x = new uint16_t[m * hidden];
     std::memcpy(x, h, m * hidden * 2);
     for (int64_t l = 0; l < layers; ++l) {
@@ -1288,9 +1300,10 @@ extern "C" void pacer_decoder_layers(const uint16_t* h, int64_t m, int64_t hidde
         const int64_t heads = w[0].n / d, kv_heads = w[1].n / d;
         uint16_t* q = new uint16_t[m * heads * d];
         pacer_layer_qkv(x, m, hidden, norms[2 * l], eps[2 * l], w, cos, sin, d, q, keys[l], values[l],
-                        capacity[l] * d, held[l]);
-        pacer_layer_rest(q, keys[l], values[l], m, heads, kv_heads, held[l] + m, d, capacity[l] * d, scaling, x,
-                         hidden, norms[2 * l + 1], eps[2 * l + 1], w + 3, w[4].n, l + 1 == layers ? out : x);
+                        capacity[l] * d, held[l], slots);
+        pacer_layer_rest(q, keys[l], values[l], m, heads, kv_heads, slots ? capacity[l] : held[l] + m, d,
+                         capacity[l] * d, scaling, x, hidden, norms[2 * l + 1], eps[2 * l + 1], w + 3, w[4].n, keys_lo,
+                         keys_hi, l + 1 == layers ? out : x);
         delete[] q;
     }
     delete[] x;
