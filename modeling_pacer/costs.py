@@ -192,9 +192,10 @@ def describe_host() -> dict:
                 transformers=transformers.__version__, amx_rows=kernels.amx_setting())
 
 
-def _cost_key(target, draft, head, max_tokens: int, prefix_tokens: int) -> dict:
-    return dict(format=COST_FORMAT, host=describe_host(), target=describe_model(target), draft=describe_model(draft),
-                head=describe_model(head), max_tokens=max_tokens, prefix_tokens=prefix_tokens)
+def _cost_key(target, draft, head, max_tokens: int, prefix_tokens: int, rows: int = 1) -> dict:
+    key = dict(format=COST_FORMAT, host=describe_host(), target=describe_model(target), draft=describe_model(draft),
+               head=describe_model(head), max_tokens=max_tokens, prefix_tokens=prefix_tokens)
+    return key if rows == 1 else dict(key, rows=rows)  # a batch's curve: more sizes
 
 
 def _cost_path(key_fields: dict, folder=None) -> Path:
@@ -202,10 +203,11 @@ def _cost_path(key_fields: dict, folder=None) -> Path:
     return (Path(folder) if folder is not None else cache_root() / "costs") / f"{key}.json"
 
 
-def forget_costs(target, draft, head=None, *, max_tokens: int = 9, prefix_tokens: int = 128, folder=None) -> bool:
+def forget_costs(target, draft, head=None, *, max_tokens: int = 9, prefix_tokens: int = 128, folder=None,
+                 rows: int = 1) -> bool:
     """Drop the cached curve of these models on this host, so that the next `host_costs` measures again.
     Returns whether there was one."""
-    path = _cost_path(_cost_key(target, draft, head, max_tokens, prefix_tokens), folder)
+    path = _cost_path(_cost_key(target, draft, head, max_tokens, prefix_tokens, rows), folder)
     try:
         path.unlink()
         return True
@@ -215,7 +217,7 @@ def forget_costs(target, draft, head=None, *, max_tokens: int = 9, prefix_tokens
 
 def host_costs(target, draft, head=None, *, max_tokens: int = 9, prefix_tokens: int = 128, repeats: int = 5,
                folder: str | os.PathLike | None = None, refresh: bool = False, max_age_days: float = 7.0,
-               check: bool = False) -> CostModel:
+               check: bool = False, rows: int = 1) -> CostModel:
     """This machine's [`CostModel`] for `target`/`draft`/`head`: read from the cache when it was measured here,
     for these models in this dtype, within `max_age_days`; otherwise measured (a few seconds) and cached.
 
@@ -225,9 +227,10 @@ def host_costs(target, draft, head=None, *, max_tokens: int = 9, prefix_tokens: 
     both, readable. `refresh=True` measures again (the machines are shared: a curve measured under load
     is wrong until then). `check=True` (pacer-bench) times the target's one-token forward now and measures
     the whole curve again, with a warning, when a cached curve is more than `STALE_RATIO` off it; a curve it has
-    just measured it checks once too ([`_recheck`]: the target's and the draft's steps timed again).
+    just measured it checks once too ([`_recheck`]: the target's and the draft's steps timed again). `rows` > 1: the
+    curve a batch of that many sequences decides with (its calls' sizes measured too: `measure_costs`), cached apart.
     """
-    key_fields = _cost_key(target, draft, head, max_tokens, prefix_tokens)
+    key_fields = _cost_key(target, draft, head, max_tokens, prefix_tokens, rows)
     path = _cost_path(key_fields, folder)
     if not refresh and path.is_file():
         try:
@@ -246,14 +249,14 @@ def host_costs(target, draft, head=None, *, max_tokens: int = 9, prefix_tokens: 
         except (ValueError, KeyError, TypeError):
             pass  # unreadable or from another version: measure again
     prefix = fixed_prefix(target, prefix_tokens, draft)
-    costs = measure_costs(target, draft, head, prefix, max_tokens, repeats)
+    costs = measure_costs(target, draft, head, prefix, max_tokens, repeats, rows=rows)
     if check:
-        costs = _recheck(costs, target, draft, head, prefix, max_tokens, repeats)
+        costs = _recheck(costs, target, draft, head, prefix, max_tokens, repeats, rows)
     write_json(path, dict(key_fields, measured_at=time.time(), costs=costs.to_dict()))
     return costs
 
 
-def _recheck(costs: CostModel, target, draft, head, prefix, max_tokens: int, repeats: int) -> CostModel:
+def _recheck(costs: CostModel, target, draft, head, prefix, max_tokens: int, repeats: int, rows: int = 1) -> CostModel:
     """A curve just measured, checked once: a burst of load on a shared machine during the measurement makes
     it wrong for the whole run (seen: a draft step priced 83 ms that ran at 33). Time the target's and the draft's
     one-token steps again; if either is more than `STALE_RATIO` off the curve, measure the curve again, with a
@@ -267,7 +270,7 @@ def _recheck(costs: CostModel, target, draft, head, prefix, max_tokens: int, rep
         f"the cost curve just measured says {1000 * costs.target(1):.0f} ms for one target token and "
         f"{1000 * costs.draft_forward:.0f} ms for a draft step, timed again {1000 * now.target(1):.0f} and "
         f"{1000 * now.draft_forward:.0f} ms: the machine was busy; measuring the curve again", stacklevel=3)
-    return measure_costs(target, draft, head, prefix, max_tokens, repeats)
+    return measure_costs(target, draft, head, prefix, max_tokens, repeats, rows=rows)
 
 
 # this machine's curves, cached, for every cost-aware rule the loop runs without `pacer_costs`

@@ -277,3 +277,72 @@ def test_a_fresh_curve_measured_under_load_is_measured_again(tmp_path, monkeypat
     script[:], calls[:] = [quiet, quiet], []  # a quiet machine: the recheck agrees, the curve stands
     got = host_costs(target, draft, max_tokens=3, repeats=1, folder=tmp_path, refresh=True, check=True)
     assert calls == [3, 1] and got.to_dict() == quiet.to_dict()
+
+
+def test_a_curve_reads_between_and_past_its_measured_sizes():
+    """A batch's curve measures some sizes: between two it is linear, past the last proportional, and the draft's
+    step of b sequences reads its own points (one sequence: draft_forward); both survive a JSON round trip."""
+    costs = CostModel({1: 1.0, 2: 1.2, 4: 2.0, 8: 3.0}, 0.5, 0.0, {2: 0.6, 4: 1.0})
+    assert costs.target(3) == pytest.approx(1.6) and costs.target(6) == pytest.approx(2.5)
+    assert costs.target(16) == pytest.approx(6.0) and costs.target(2) == 1.2
+    assert costs.draft(1) == 0.5 and costs.draft(3) == pytest.approx(0.8) and costs.draft(8) == pytest.approx(2.0)
+    again = CostModel.from_dict(json.loads(json.dumps(costs.to_dict())))
+    assert again == costs
+    assert CostModel.from_dict(json.loads(json.dumps(CostModel({1: 1.0}, 0.5).to_dict()))).draft_rows == {}
+
+
+def test_a_batch_step_is_priced_by_its_rows():
+    """BatchCosts: the rows still drafting share each draft forward (b rows cost draft(b)), the verification costs
+    the target's curve at every active row's k + 1 in all; a row sees the others where they reported themselves."""
+    from modeling_pacer.custom_generate.costs import BatchCosts
+
+    costs = CostModel({n: float(n) for n in range(1, 40)}, 0.5, 0.1, {2: 0.7, 3: 0.9})
+    batch = BatchCosts(costs, 3)
+    assert batch.rows[0].step(0) == pytest.approx(3.0)  # three plain rows: 3 verification rows, no draft forward
+    batch.rows[1].report(2, 1.5)
+    batch.rows[2].report(1, 1.2, free=1)  # its one token looked up: no draft forward
+    # row 0 at 3: draft forwards with 2, 2, 1 rows, verification of 4 + 3 + 2 rows
+    assert batch.rows[0].step(3) == pytest.approx(0.7 + 0.7 + 0.5 + 9.0)
+    assert batch.rows[0].tokens_besides == pytest.approx(2.7)
+    batch.active[1] = False
+    assert batch.rows[0].step(3) == pytest.approx(3 * 0.5 + 6.0) and batch.rows[0].tokens_besides == pytest.approx(1.2)
+    batch.rows[0].report(3, 2.0, head_calls=2)
+    assert batch.rows[2].step(1, free=1) == pytest.approx(3 * 0.5 + 6.0 + 2 * 0.1)
+
+
+def test_the_cost_aware_rule_drafts_less_as_a_batchs_rows_grow_dear():
+    """A batch of 4 with the target's own weights as the draft (every token accepted): where verification costs the
+    same for any number of rows each row drafts long; where every row costs as much as a whole call, drafting loses
+    and the rows draft nothing (but for the probes that keep measuring); every row stays its own output either way."""
+    from modeling_pacer import make_exact
+
+    target, draft = make_pair("llama", "llama", "same")
+    target = make_exact(target)
+    ids = torch.randint(1, 97, (4, 6), generator=torch.Generator().manual_seed(1))
+    drafted = {}
+    for name, curve in (("flat", {n: 1.0 for n in range(1, 80)}), ("steep", {n: float(n) for n in range(1, 80)})):
+        costs = CostModel(curve, 0.05)
+        # calibrated: the tiny draft's probabilities are low, its tokens always right; the fit learns that
+        rule = ExpectedThroughput(costs, max_draft_length=8, calibration=1.0)
+        out = target.generate(ids, assistant_model=draft, stopping_policy=rule,
+                              max_new_tokens=30, pad_token_id=0, return_dict_in_generate=True)
+        steps = [s for s in out.pacer_stats.steps if s.stop_reason != "prefill"]
+        drafted[name] = sum(s.drafted for s in steps) / len(steps)
+        for row in range(4):
+            assert out.sequences[row].tolist() == target.generate(ids[row:row + 1], max_new_tokens=30,
+                                                                  do_sample=False)[0].tolist()
+    assert drafted["flat"] > 5 and drafted["steep"] < 0.5, drafted
+
+
+def test_a_batchs_curve_measures_its_calls_sizes(tmp_path):
+    """host_costs(rows=3): the target at every size to max_tokens and more up to 3 * max_tokens, the draft's step of
+    one token for 2 and 3 sequences packed; cached apart from the one-sequence curve."""
+    from modeling_pacer.custom_generate.costs import batch_sizes
+
+    target, draft = make_pair("llama", "llama", "noisy")
+    assert batch_sizes(4, 1) == [1, 2, 3, 4] and batch_sizes(4, 3) == [1, 2, 3, 4, 5, 6, 8, 10, 12]
+    one = host_costs(target, draft, None, max_tokens=4, prefix_tokens=16, repeats=1, folder=tmp_path)
+    three = host_costs(target, draft, None, max_tokens=4, prefix_tokens=16, repeats=1, folder=tmp_path, rows=3)
+    assert sorted(one.target_forward) == [1, 2, 3, 4] and not one.draft_rows
+    assert sorted(three.target_forward) == batch_sizes(4, 3) and sorted(three.draft_rows) == [2, 3]
+    assert all(v > 0 for v in three.draft_rows.values()) and len(list(tmp_path.glob("*.json"))) == 2

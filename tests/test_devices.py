@@ -120,7 +120,7 @@ def no_measurement(monkeypatch):
     monkeypatch.setattr(costs, "host_costs", lambda *a, **k: pytest.fail("costs measured before the checks"))
 
 
-@pytest.mark.parametrize("bad, message", [("batch", "batch size 1 only"), ("empty", "input_ids is empty"),
+@pytest.mark.parametrize("bad, message", [("batch", "padded on the right"), ("empty", "input_ids is empty"),
                                           ("prefilled", "needs an empty cache"), ("vocabulary", "vocabulary"),
                                           ("recurrent", "LinearAttentionLayer")])
 def test_every_check_runs_before_the_cost_measurement(no_measurement, monkeypatch, bad, message):
@@ -132,8 +132,9 @@ def test_every_check_runs_before_the_cost_measurement(no_measurement, monkeypatc
 
     target, draft = make_pair("llama", "llama", "noisy")
     ids, kwargs = PROMPT, {}
-    if bad == "batch":
-        ids = PROMPT.repeat(2, 1)
+    if bad == "batch":  # a right-padded batch
+        ids, kwargs = PROMPT.repeat(2, 1), {"attention_mask": torch.tensor([[1] * 5, [1, 1, 1, 0, 0]]),
+                                            "pad_token_id": 0}
     elif bad == "empty":
         ids = PROMPT[:, :0]
     elif bad == "prefilled":
@@ -146,7 +147,8 @@ def test_every_check_runs_before_the_cost_measurement(no_measurement, monkeypatc
     else:
         draft = make_model("llama", seed=2, vocab=50)
     head = make_head(draft, stopping_rule="throughput", throughput_estimate="draft")
-    monkeypatch.setattr(loop, "model_forward", lambda *a, **k: pytest.fail("a forward ran before the checks"))
+    for name in ("model_forward", "rows_forward"):
+        monkeypatch.setattr(loop, name, lambda *a, **k: pytest.fail("a forward ran before the checks"))
     with pytest.raises(ValueError, match=message):
         target.generate(ids, assistant_model=draft, pacer_head=head, max_new_tokens=4, **kwargs)
 

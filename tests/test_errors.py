@@ -54,10 +54,17 @@ def test_draft_with_another_vocabulary(pair):
         target.generate(PROMPT, assistant_model=draft, stopping_policy="fixed", max_new_tokens=5)
 
 
-def test_batch_larger_than_one(pair):
+@pytest.mark.parametrize("mask, message", [([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], "row 1 of attention_mask is padded on the right"),
+                                           ([[1, 1, 1, 1, 1], [0, 1, 0, 1, 1]], "row 1 of attention_mask has a hole"),
+                                           ([[0, 0, 0, 0, 0], [1, 1, 1, 1, 1]], "row 0 of attention_mask has no token"),
+                                           ([[1, 1, 1, 1, 1], [2, 1, 1, 1, 1]], "padding \\(0\\) and tokens \\(1\\)")])
+def test_a_batch_that_is_not_left_padded(pair, mask, message):
+    """A batch is decoded row by row as if alone only from a left-padded batch (padding_side='left'): a right-padded
+    row, a hole, an empty row or a mask of other values is refused before any work."""
     target, draft = pair
-    with pytest.raises(ValueError, match="batch size 1 only, got a batch of 2"):
-        target.generate(PROMPT.repeat(2, 1), assistant_model=draft, stopping_policy="fixed", max_new_tokens=5)
+    with pytest.raises(ValueError, match=message):
+        target.generate(PROMPT.repeat(2, 1), attention_mask=torch.tensor(mask), assistant_model=draft,
+                        stopping_policy="fixed", max_new_tokens=5, pad_token_id=0)
 
 
 def test_no_draft(pair):
@@ -88,11 +95,13 @@ def test_policy_longer_than_the_head_allows(pair):
                         max_new_tokens=5)
 
 
-def test_padded_input(pair):
+def test_a_left_padded_row_is_decoded_without_its_padding(pair):
+    """A single row with left padding: decoded as its tokens alone (the padding kept in front of the output)."""
     target, draft = pair
     mask = torch.tensor([[0, 1, 1, 1, 1]])
-    with pytest.raises(ValueError, match="padded inputs"):
-        target.generate(PROMPT, attention_mask=mask, assistant_model=draft, stopping_policy="fixed", max_new_tokens=5)
+    out = target.generate(PROMPT, attention_mask=mask, assistant_model=draft, stopping_policy="fixed", max_new_tokens=5)
+    alone = target.generate(PROMPT[:, 1:], max_new_tokens=5, do_sample=False)
+    assert out[:, :1].tolist() == PROMPT[:, :1].tolist() and out[:, 1:].tolist() == alone.tolist()
 
 
 def test_beam_search(pair):

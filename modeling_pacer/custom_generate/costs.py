@@ -5,39 +5,134 @@ the models' devices ([`device_clock`]): a GPU runs what it is handed asynchronou
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from .steps import crop_cache, model_forward, new_cache
+from .rows import RowCache, packed_forward
+from .steps import cache_kwargs, crop_cache, model_forward, new_cache
+
+
+def _curve(points: dict[int, float], n: int) -> float:
+    """A measured curve's seconds at `n`: the point itself, else linear between the measured points around it, and
+    beyond the last one linear from zero through it (a call that many times larger costs that many times more)."""
+    if n in points:
+        return points[n]
+    known = max(points)
+    if n > known:
+        return points[known] * n / known
+    below = max((m for m in points if m < n), default=None)
+    above = min(m for m in points if m > n)
+    if below is None:
+        return points[above]
+    return points[below] + (points[above] - points[below]) * (n - below) / (above - below)
 
 
 @dataclass
 class CostModel:
-    """Measured seconds: a target forward of n input tokens after a cached prefix, one draft forward of
-    one token, one head call over a draft. Verification of k drafts feeds k + 1 tokens."""
+    """Measured seconds: a target forward of n input tokens after a cached prefix (in all: a call of several
+    sequences costs what its total rows cost), one draft forward of one token, one head call over a draft, and one
+    draft forward of one token for each of b sequences (`draft_rows`, b >= 2; measured for a batch). Verification of k
+    drafts feeds k + 1 tokens."""
 
     target_forward: dict[int, float]
     draft_forward: float
     head_call: float = 0.0
+    draft_rows: dict[int, float] = field(default_factory=dict)
 
     def target(self, num_tokens: int) -> float:
-        known = max(self.target_forward)
-        if num_tokens <= known:
-            return self.target_forward[num_tokens]
-        return self.target_forward[known] * num_tokens / known  # beyond the measured range: linear
+        """A target forward of `num_tokens` rows (between measured sizes: linear; past them: proportional)."""
+        return _curve(self.target_forward, num_tokens)
+
+    def draft(self, rows: int = 1) -> float:
+        """A draft forward of one token for each of `rows` sequences (unmeasured sizes: as [`target`])."""
+        return _curve({1: self.draft_forward, **self.draft_rows}, rows) if rows > 1 else self.draft_forward
 
     def step(self, drafted: int, head_calls: int = 0, free: int = 0) -> float:
         """A step that drafts `drafted` tokens, `free` of them looked up (no draft forward), and verifies them."""
         return (drafted - free) * self.draft_forward + self.target(drafted + 1) + head_calls * self.head_call
 
     def to_dict(self) -> dict:
-        return {"target_forward": self.target_forward, "draft_forward": self.draft_forward, "head_call": self.head_call}
+        out = {"target_forward": self.target_forward, "draft_forward": self.draft_forward, "head_call": self.head_call}
+        if self.draft_rows:
+            out["draft_rows"] = self.draft_rows
+        return out
 
     @classmethod
     def from_dict(cls, data: dict) -> "CostModel":
         """The inverse of `to_dict`, also after a JSON round trip (which turns the token counts into strings)."""
-        return cls({int(k): v for k, v in data["target_forward"].items()}, data["draft_forward"], data.get("head_call", 0.0))
+        return cls({int(k): v for k, v in data["target_forward"].items()}, data["draft_forward"], data.get("head_call", 0.0),
+                   {int(k): v for k, v in data.get("draft_rows", {}).items()})
+
+
+class BatchCosts:
+    """One step of a batch as the cost-aware rule of each of its rows sees it: the rows still drafting share each draft
+    forward (b rows cost `draft(b)`), one target forward verifies every row's draft (`target` of their rows in all).
+
+    Each row's rule reports where its draft stands (`report`: its length, its looked-up tokens, its head calls and
+    the tokens it expects from the step), and judges a length of its own against the batch's rate: the tokens every
+    row expects, over the whole step's seconds, with the other rows where they last said they were. So a row drafts on
+    while its next token is worth more than the batch's rate at its extra seconds: as verification rows grow dear with
+    the batch, every row drafts less. `rows[i]` is row i's view ([`RowCosts`]), which the rule reads as its costs."""
+
+    def __init__(self, costs: CostModel, batch: int):
+        self.costs = costs
+        self.drafted = [0] * batch
+        self.free = [0] * batch
+        self.head_calls = [0] * batch
+        self.tokens = [1.0] * batch  # a row that drafts nothing still gets the target's own token
+        self.active = [True] * batch
+        self.rows = [RowCosts(self, row) for row in range(batch)]
+
+    def step(self, row: int, drafted: int, head_calls: int = 0, free: int = 0) -> float:
+        """The batch's step, in seconds, with row `row` at `drafted` tokens (`free` looked up) and the other active rows
+        where they stand."""
+        lengths, forwards, calls = [], [], 0
+        for other in range(len(self.active)):
+            if other == row:
+                k, f, h = drafted, free, head_calls
+            elif self.active[other]:
+                k, f, h = self.drafted[other], self.free[other], self.head_calls[other]
+            else:
+                continue
+            lengths.append(k)
+            forwards.append(k - f)
+            calls += h
+        drafting = sum(self.costs.draft(sum(n >= s for n in forwards)) for s in range(1, max(forwards, default=0) + 1))
+        return drafting + self.costs.target(sum(k + 1 for k in lengths)) + calls * self.costs.head_call
+
+
+@dataclass
+class RowCosts:
+    """Row `row`'s view of a [`BatchCosts`], read by its cost-aware rule as its cost model: `step` prices the batch's
+    step with this row's draft at a given length, `tokens_besides` the tokens the other rows expect from it, `report`
+    says where this row's draft stands."""
+
+    batch: BatchCosts
+    row: int
+
+    def step(self, drafted: int, head_calls: int = 0, free: int = 0) -> float:
+        return self.batch.step(self.row, drafted, head_calls, free)
+
+    @property
+    def tokens_besides(self) -> float:
+        b = self.batch
+        return sum(t for other, (t, on) in enumerate(zip(b.tokens, b.active)) if on and other != self.row)
+
+    def report(self, drafted: int, tokens: float, free: int = 0, head_calls: int = 0) -> None:
+        b = self.batch
+        b.drafted[self.row], b.tokens[self.row], b.free[self.row], b.head_calls[self.row] = drafted, tokens, free, head_calls
+
+    def target(self, num_tokens: int) -> float:
+        return self.batch.costs.target(num_tokens)
+
+    @property
+    def draft_forward(self) -> float:
+        return self.batch.costs.draft_forward
+
+    @property
+    def head_call(self) -> float:
+        return self.batch.costs.head_call
 
 
 def synchronize(devices) -> None:
@@ -83,12 +178,25 @@ def interleaved_medians(fns: list, repeats: int, clock=time.perf_counter) -> lis
     return [statistics.median(samples) for samples in times]
 
 
+def batch_sizes(max_tokens: int, rows: int) -> list[int]:
+    """The target forwards a batch of `rows` sequences' curve measures: every size to `max_tokens`, then about a
+    dozen more up to `rows * max_tokens` (each row's longest verification), spaced by about a quarter."""
+    sizes, n = list(range(1, max_tokens + 1)), max_tokens
+    while n < rows * max_tokens:
+        n = min(rows * max_tokens, max(n + 1, round(n * 1.25)))
+        sizes.append(n)
+    return sizes
+
+
 @torch.no_grad()
-def measure_costs(target, draft, head, input_ids: torch.Tensor, max_tokens: int, repeats: int = 5) -> CostModel:
+def measure_costs(target, draft, head, input_ids: torch.Tensor, max_tokens: int, repeats: int = 5,
+                  rows: int = 1) -> CostModel:
     """Time forwards after a cached `input_ids` prefix `(1, L)`: the target for 1..max_tokens input
     tokens, the draft for one (none: `draft` None, its cost 0), the head over a `max_tokens - 1` draft. Every tensor
     made here follows the device and dtype of the model that reads it, and the clock waits for those devices
-    ([`device_clock`])."""
+    ([`device_clock`]). `rows` > 1 (a batch): also the target for more tokens, up to `rows * max_tokens`
+    ([`batch_sizes`]; a call costs what its rows cost, however many sequences they belong to), and the draft's step of
+    one token for each of 2..`rows` sequences packed in one call, each after its own copy of the prefix."""
     def after_prefix(model):  # over the cache the loop gives it (a captured model's static one)
         cache = new_cache(model, input_ids.shape[1] + max_tokens + 1)
         model_forward(model, input_ids, cache, 1)
@@ -101,7 +209,8 @@ def measure_costs(target, draft, head, input_ids: torch.Tensor, max_tokens: int,
         model_forward(target, input_ids[:, -1:].repeat(1, n), target_cache, n)
         crop_cache(target_cache, prefix)
 
-    fns = [lambda n=n: target_step(n) for n in range(1, max_tokens + 1)]
+    sizes = batch_sizes(max_tokens, rows)
+    fns = [lambda n=n: target_step(n) for n in sizes]
     if draft is not None:
         draft_cache = after_prefix(draft)
 
@@ -110,6 +219,18 @@ def measure_costs(target, draft, head, input_ids: torch.Tensor, max_tokens: int,
             crop_cache(draft_cache, prefix)
 
         fns.append(draft_step)
+        if rows > 1:
+            packed = RowCache(rows, prefix + 1)
+            packed_forward(draft, packed, [(row, input_ids) for row in range(rows)], [1] * rows,
+                           cache_kwargs=cache_kwargs)
+
+            def draft_rows(b):
+                packed_forward(draft, packed, [(row, input_ids[:, -1:]) for row in range(b)], [1] * b,
+                               cache_kwargs=cache_kwargs)
+                for row in range(b):
+                    packed.crop_row(row, prefix)
+
+            fns.extend(lambda b=b: draft_rows(b) for b in range(2, rows + 1))
     if head is not None:
         length = max(1, min(max_tokens - 1, head.config.max_draft_length))  # the longest draft it reads
         # as the loop hands them: the draft's hidden states in the head's dtype, features in float32, on its device
@@ -118,9 +239,11 @@ def measure_costs(target, draft, head, input_ids: torch.Tensor, max_tokens: int,
                     if getattr(head.config, "use_draft_features", False) else None)
         fns.append(lambda: head.acceptance_probabilities(hidden, draft_features=features))
     seconds = interleaved_medians(fns, repeats, clock=device_clock(*model_devices(target, draft, head)))
-    costs = dict(zip(range(1, max_tokens + 1), seconds))
-    rest = iter(seconds[max_tokens:])
-    return CostModel(costs, next(rest) if draft is not None else 0.0, next(rest) if head is not None else 0.0)
+    costs = dict(zip(sizes, seconds))
+    rest = iter(seconds[len(sizes):])
+    draft_forward = next(rest) if draft is not None else 0.0
+    draft_rows = {b: next(rest) for b in range(2, rows + 1)} if draft is not None and rows > 1 else {}
+    return CostModel(costs, draft_forward, next(rest) if head is not None else 0.0, draft_rows)
 
 
 def fixed_prefix(model, tokens: int = 128, *others) -> torch.Tensor:

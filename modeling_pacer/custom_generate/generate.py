@@ -31,13 +31,14 @@ from transformers import DynamicCache, GenerationMixin, StoppingCriteriaList, St
 from transformers.cache_utils import BaseQuantizedLayer, DynamicLayer, LinearAttentionCacheLayerMixin
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .costs import curve_disagrees, fixed_prefix, measure_costs
+from .costs import BatchCosts, curve_disagrees, fixed_prefix, measure_costs
 from .lookup import NgramLookup
 from .policies import DraftView, ExpectedThroughput, StoppingPolicy, head_policy, make_policy
-from .processing import process, process_rows
+from .processing import process, process_rows, row_processors
+from .rows import RowCache, check_packable
 from .steps import (  # noqa: F401 - the loop's step functions
-    CACHE_NAMES, cache_kwargs, cache_length, crop_cache, is_static_full_attention, model_forward, new_cache,
-    static_cache_supported, wants_static_cache,
+    CACHE_NAMES, cache_kwargs, cache_length, crop_cache, crop_row, is_static_full_attention, model_forward, new_cache,
+    row_length, rows_forward, static_cache_supported, wants_static_cache,
 )
 
 
@@ -46,7 +47,7 @@ from .steps import (  # noqa: F401 - the loop's step functions
 # --------------------------------------------------------------------------------------------------
 @dataclass
 class DecodeStep:
-    """One draft-verify round.
+    """One draft-verify round of one row (one sequence of the call).
 
     Attributes:
         drafted: draft tokens sent to the target (0 = a plain target step).
@@ -57,6 +58,7 @@ class DecodeStep:
             `"max_draft_length"`, `"budget"` (max_length reached), `"eos"` (the draft proposed EOS), or
             `"prefill"` (the first step: the target reads the prompt and gives the first token, as plain decoding does).
         free: how many of the drafted tokens were looked up in the sequence (`pacer_lookup`), not drafted.
+        row: which sequence of the batch (0 for a call of one).
     """
 
     drafted: int
@@ -64,11 +66,15 @@ class DecodeStep:
     emitted: int
     stop_reason: str
     free: int = 0
+    row: int = 0
 
 
 @dataclass
 class PacerStats:
-    """Counts and timings of one `generate` call. Times are wall-clock seconds."""
+    """Counts and timings of one `generate` call. Times are wall-clock seconds.
+
+    For a batch, `steps` holds every row's steps (each `DecodeStep.row` says whose) and the forward counts and times
+    are the batch's own calls, each of which served every row it carried; `rows()` splits the steps by row."""
 
     policy: str = ""
     # how the target's verification is made bitwise that of single steps (`make_exact`: "rows-alone" on a CPU,
@@ -83,6 +89,13 @@ class PacerStats:
     target_time: float = 0.0
     prefill_time: float = 0.0  # the part of target_time the prefill took (the whole prompt, the first token)
     total_time: float = 0.0
+    batch_size: int = 1  # the sequences decoded together
+
+    def rows(self) -> list["PacerStats"]:
+        """One `PacerStats` per row of the batch, with that row's steps alone (the counts and times stay the batch's:
+        its calls were shared)."""
+        return [dataclasses.replace(self, steps=[s for s in self.steps if s.row == row], batch_size=1)
+                for row in range(self.batch_size)]
 
     @property
     def generated_tokens(self) -> int:
@@ -90,7 +103,7 @@ class PacerStats:
 
     @property
     def mean_accepted(self) -> float:
-        """tau: tokens gained per target forward (accepted drafts + the target's own token)."""
+        """tau: tokens gained per verified step of a row (accepted drafts + the target's own token)."""
         return self.generated_tokens / max(1, len(self.steps))
 
     @property
@@ -118,10 +131,12 @@ class PacerStats:
 @dataclass
 class PacerGenerateOutput(GenerateDecoderOnlyOutput):
     """`GenerateDecoderOnlyOutput` plus `pacer_stats` (a [`PacerStats`]) and `pacer_policy`: the stopping policy
-    that decoded, in its adapted state at the end (a copy of the instance passed as `stopping_policy`, if one was)."""
+    that decoded, in its adapted state at the end (a copy of the instance passed as `stopping_policy`, if one was);
+    each row of a batch decodes with its own copy: `pacer_policies`, one a row (`pacer_policy` is the first row's)."""
 
     pacer_stats: PacerStats | None = None
     pacer_policy: StoppingPolicy | None = None
+    pacer_policies: list | None = None
 
 
 class _Timer:
@@ -185,7 +200,7 @@ def _pick(scores: torch.Tensor, do_sample: bool, probs: torch.Tensor | None = No
 
 @dataclass
 class Proposal:
-    """The proposal of one step: `tokens` `(1, k)`, processed draft `scores` `(1, k, vocab)`, what
+    """The proposal of one step for one row: `tokens` `(1, k)`, processed draft `scores` `(1, k, vocab)`, what
     the policy saw of it (`None` when nothing was drafted), and the draft's last hidden states
     `(1, k, hidden)` that produced the tokens when they were kept."""
 
@@ -198,145 +213,193 @@ class Proposal:
     match: int = 0
 
 
-def propose(
-    draft_model,
-    draft_cache,
-    head,
-    policy: StoppingPolicy,
-    ids: torch.LongTensor,
-    budget: int,
-    logits_processor,
-    do_sample: bool,
-    eos_token_ids: set[int],
-    stats: PacerStats,
-    keep_hidden: bool = False,
-    vocab: tuple[int, int] | None = None,
-    lookup: NgramLookup | None = None,
-    draft_offset: int = 0,
-) -> Proposal:
-    """Draft up to `budget` tokens after `ids` `(1, L)`, asking `policy` after each one. `vocab`: the draft's and the
-    target's vocabulary sizes (the draft's a prefix of the target's padded one where they differ). `lookup`: open the
-    draft with the tokens that followed the sequence's last few tokens where they occurred before, while such tokens
-    are being measured or have been accepted at least as often as the draft model's; each costs no forward, and the draft model takes over
-    where they end.
+@dataclass
+class Row:
+    """One sequence of the call as the loop decodes it: a call of one sequence is a batch of one row.
 
-    The draft cache may lag behind `ids` (after a fully accepted step it misses the last draft
-    token; after looked-up tokens, those); each forward feeds everything it has not seen yet. It holds the sequence
-    from `draft_offset` on (a draft window: the draft never read the prompt's first `draft_offset` tokens).
-    """
-    device = ids.device
-    step_cap = policy.begin_step()
-    cap = min(step_cap, budget)
-    cap_reason = "budget" if budget < step_cap else "max_draft_length"
-    if cap <= 0:
-        return Proposal(ids[:, :0], torch.empty(1, 0, 0, device=device), cap_reason)
+    `ids` `(1, L)` its tokens so far, without the left padding it came with (`padding` tokens); `max_length` its own
+    (the call's less its padding: every row gets the new tokens a left-padded batch gives it in transformers); its own
+    copies of the stopping rule, the free-draft lookup, the logits processors and the stopping criteria (those that
+    count the sequence's length shifted by its padding, so that each row is processed as if alone); `draft_offset`
+    the prompt tokens its draft never reads (`pacer_draft_window`); `finished` once a criterion ended it."""
 
-    tokens: list[torch.Tensor] = []
-    scores: list[torch.Tensor] = []
-    probs: list[torch.Tensor] = []
-    entropies: list[torch.Tensor] = []
-    states: list[torch.Tensor] = []
-    head_cache: dict[int, torch.Tensor] = {}
+    index: int
+    ids: torch.LongTensor
+    padding: int
+    max_length: int
+    policy: StoppingPolicy
+    processors: object
+    criteria: object
+    lookup: NgramLookup | None = None
+    draft_offset: int = 0
+    finished: bool = False
+    scores: list = field(default_factory=list)
+    logits: list = field(default_factory=list)
 
-    def acceptance() -> torch.Tensor:
-        k = len(tokens)
-        if k not in head_cache:
-            with _Timer(stats, "head", head.device):
-                hidden = torch.cat(states, dim=1).to(head.device)
+    @property
+    def budget(self) -> int:
+        """The most tokens this row may draft now: one verification yields one more token than was drafted, so
+        never past max_length - 1."""
+        return self.max_length - self.ids.shape[1] - 1
+
+
+class _Draft:
+    """One row's draft while it is drafted ([`propose`]): the tokens so far, what its rule saw, why it stopped.
+
+    Opens with the tokens its lookup offers (each a point-mass proposal, no forward) while the rule goes on, then
+    takes one token per draft forward ([`take`]) until the rule, an end-of-sequence token, the rule's length cap or
+    the row's budget stops it."""
+
+    def __init__(self, row: Row, draft_cache, head, stats: PacerStats, vocab, eos_token_ids: set[int], do_sample: bool):
+        self.row, self.head, self.stats, self.vocab, self.eos, self.do_sample = row, head, stats, vocab, eos_token_ids, do_sample
+        policy, budget, device = row.policy, row.budget, row.ids.device
+        self.device = device
+        step_cap = policy.begin_step()
+        self.cap = min(step_cap, budget)
+        self.cap_reason = "budget" if budget < step_cap else "max_draft_length"
+        self.reason = None if self.cap > 0 else self.cap_reason
+        self.tokens: list[torch.Tensor] = []
+        self.scores: list[torch.Tensor] = []
+        self.probs: list[torch.Tensor] = []
+        self.entropies: list[torch.Tensor] = []
+        self.states: list[torch.Tensor] = []
+        self.head_cache: dict[int, torch.Tensor] = {}
+        self.looked_up, self.match, self.free = [], 0, 0
+        if self.reason is None and row.lookup is not None:
+            continuation, match = row.lookup.continuation(row.ids[0].tolist())
+            if continuation and row.lookup.worth_trying(match):
+                self.looked_up, self.match = continuation, match
+        self.seq = row.ids
+        # the draft cache may lag behind the sequence (after a fully accepted step it misses the last draft token;
+        # after looked-up tokens, those): each forward feeds everything it has not seen yet. It holds the sequence
+        # from `draft_offset` on (a draft window: the draft never read the prompt's first tokens)
+        self.fed = row.draft_offset + row_length(draft_cache, row.index)
+        self.view = None
+
+    @property
+    def done(self) -> bool:
+        return self.reason is not None
+
+    def _acceptance(self) -> torch.Tensor:
+        k = len(self.tokens)
+        if k not in self.head_cache:
+            head = self.head
+            with _Timer(self.stats, "head", head.device):
+                hidden = torch.cat(self.states, dim=1).to(head.device)
                 features = None
                 if getattr(head.config, "use_draft_features", False):
-                    features = torch.stack([torch.stack(probs), torch.stack(entropies)], -1)[None]
+                    features = torch.stack([torch.stack(self.probs), torch.stack(self.entropies)], -1)[None]
                     features = features.float().to(head.device)
-                head_cache[k] = head.acceptance_probabilities(hidden, draft_features=features)[0].to(device)
-            stats.head_forwards += 1
-        return head_cache[k]
+                self.head_cache[k] = head.acceptance_probabilities(hidden, draft_features=features)[0].to(self.device)
+            self.stats.head_forwards += 1
+        return self.head_cache[k]
 
-    looked_up, match = [], 0
-    if lookup is not None:
-        continuation, match = lookup.continuation(ids[0].tolist())
-        if continuation and lookup.worth_trying(match):
-            looked_up = continuation
-    free = 0
+    def _judge(self, token: torch.Tensor, view: DraftView) -> None:
+        """After each drafted token: the end-of-sequence token, the rule, the length cap, in that order."""
+        self.seq = torch.cat([self.seq, token], dim=1)
+        self.view = view
+        if int(token) in self.eos:
+            self.reason = "eos"
+        elif (reason := self.row.policy.stop_reason(view)) is not None:
+            self.reason = reason
+        elif len(self.tokens) >= self.cap:
+            self.reason = self.cap_reason
 
-    seq = ids
-    fed = draft_offset + cache_length(draft_cache)
-    padding = vocab[1] - vocab[0] if vocab is not None else 0  # rows of the target's table the draft lacks
-    while True:
-        if free < len(looked_up) and free == len(tokens):  # the next looked-up token: a point-mass proposal
-            token = torch.tensor([[looked_up[free]]], device=device)
-            score = torch.full((1, vocab[1]), float("-inf"), device=device)
-            score[0, looked_up[free]] = 0.0
-            tokens.append(token)
-            scores.append(score)
-            probs.append(torch.tensor(lookup.estimate(match), device=device))
-            entropies.append(torch.tensor(0.0, device=device))
-            free += 1
-            seq = torch.cat([seq, token], dim=1)
-            view = DraftView(torch.stack(probs), torch.stack(entropies), None, free, len(looked_up) - free)
-            if int(token) in eos_token_ids:
-                reason = "eos"
-                break
-            reason = policy.stop_reason(view)
-            if reason is not None:
-                break
-            if len(tokens) >= cap:
-                reason = cap_reason
-                break
-            continue
-        feed = seq[:, fed:]
-        fed = seq.shape[1]
-        if padding:
+    def take_free(self) -> None:
+        """The looked-up tokens the draft opens with, while the rule goes on (they cost no forward)."""
+        while not self.done and self.free < len(self.looked_up) and self.free == len(self.tokens):
+            token = torch.tensor([[self.looked_up[self.free]]], device=self.device)
+            score = torch.full((1, self.vocab[1]), float("-inf"), device=self.device)
+            score[0, self.looked_up[self.free]] = 0.0
+            self.tokens.append(token)
+            self.scores.append(score)
+            self.probs.append(torch.tensor(self.row.lookup.estimate(self.match), device=self.device))
+            self.entropies.append(torch.tensor(0.0, device=self.device))
+            self.free += 1
+            view = DraftView(torch.stack(self.probs), torch.stack(self.entropies), None, self.free,
+                             len(self.looked_up) - self.free)
+            self._judge(token, view)
+
+    def feed(self) -> torch.LongTensor:
+        """What the next draft forward feeds of this row: every token its cache has not seen."""
+        feed = self.seq[:, self.fed:]
+        self.fed = self.seq.shape[1]
+        if self.vocab[1] != self.vocab[0]:
             # a target's padding id (never a tokenizer's token) is fed to a draft whose table stops short as its last
             # id: only the draft's context changes, never the output
-            feed = feed.clamp_max(vocab[0] - 1)
-        with _Timer(stats, "draft", draft_model.device):
-            logits, hidden = model_forward(draft_model, feed, draft_cache, 1, hidden=policy.needs_head or keep_hidden)
-        stats.draft_forwards += 1
-        logits = logits[:, 0, :].to(device)
+            feed = feed.clamp_max(self.vocab[0] - 1)
+        return feed
+
+    def take(self, logits: torch.Tensor, hidden: torch.Tensor | None) -> None:
+        """The draft forward's row `(1, 1, vocab)` for this row: its next token, drawn or picked after processing."""
+        logits = logits[:, 0, :].to(self.device)
+        padding = self.vocab[1] - self.vocab[0]
         if padding:  # the target's padding ids: probability 0 in the draft's row
             logits = torch.nn.functional.pad(logits, (0, padding), value=float("-inf"))
-        score = process(logits_processor, seq, logits)
+        score = process(self.row.processors, self.seq, logits)
         dist = score.softmax(-1)
-        token = _pick(score, do_sample, dist)
-        tokens.append(token)
-        scores.append(score)
-        probs.append(dist[0, token[0, 0]])
-        entropies.append(entropy(dist[0]))
+        token = _pick(score, self.do_sample, dist)
+        self.tokens.append(token)
+        self.scores.append(score)
+        self.probs.append(dist[0, token[0, 0]])
+        self.entropies.append(entropy(dist[0]))
         if hidden is not None:
-            states.append(hidden)
-        seq = torch.cat([seq, token], dim=1)
+            self.states.append(hidden)
+        acceptance = self._acceptance if self.row.policy.needs_head else None
+        self._judge(token, DraftView(torch.stack(self.probs), torch.stack(self.entropies), acceptance, self.free))
 
-        view = DraftView(torch.stack(probs), torch.stack(entropies), acceptance if policy.needs_head else None, free)
-        if int(token) in eos_token_ids:
-            reason = "eos"
-            break
-        reason = policy.stop_reason(view)
-        if reason is not None:
-            break
-        if len(tokens) >= cap:
-            reason = cap_reason
-            break
-
-    hidden_states = torch.cat(states, dim=1) if states else None
-    dtype = functools.reduce(torch.promote_types, [s.dtype for s in scores])  # float32 rows of looked-up tokens
-    return Proposal(torch.cat(tokens, dim=1), torch.stack([s[0].to(dtype) for s in scores], dim=0)[None], reason, view,
-                    hidden_states, free, match)
+    def proposal(self) -> Proposal:
+        if not self.tokens:
+            return Proposal(self.row.ids[:, :0], torch.empty(1, 0, 0, device=self.device), self.reason)
+        hidden_states = torch.cat(self.states, dim=1) if self.states else None
+        dtype = functools.reduce(torch.promote_types, [s.dtype for s in self.scores])  # float32 rows of looked-up tokens
+        scores = torch.stack([s[0].to(dtype) for s in self.scores], dim=0)[None]
+        return Proposal(torch.cat(self.tokens, dim=1), scores, self.reason, self.view, hidden_states, self.free,
+                        self.match)
 
 
-def verify(model, target_cache, ids: torch.LongTensor, proposal: Proposal, logits_processor, stats: PacerStats):
-    """One target forward over `[ids not yet in the cache] + draft tokens`.
+def propose(draft_model, draft_cache, head, rows: list[Row], do_sample: bool, eos_token_ids: set[int],
+            stats: PacerStats, keep_hidden: bool = False, vocab: tuple[int, int] | None = None) -> list[Proposal]:
+    """Draft each of `rows` up to its budget, asking its rule after each token: every row its own length, the rows
+    still drafting in one draft forward a token (the ones that stopped, or take a looked-up token, take no room in
+    it). `vocab`: the draft's and the target's vocabulary sizes (the draft's a prefix of the target's padded one
+    where they differ). A row's lookup opens its draft with the tokens that followed the sequence's last few tokens
+    where they occurred before, while such tokens are being measured or have been accepted at least as often as the
+    draft model's; each costs no forward, and the draft model takes over where they end."""
+    vocab = vocab or (_vocab_size(draft_model),) * 2
+    drafts = [_Draft(row, draft_cache, head, stats, vocab, eos_token_ids, do_sample) for row in rows]
+    hidden = keep_hidden or any(row.policy.needs_head for row in rows)
+    while True:
+        for draft in drafts:
+            draft.take_free()
+        drafting = [draft for draft in drafts if not draft.done]
+        if not drafting:
+            return [draft.proposal() for draft in drafts]
+        feeds = [(draft.row.index, draft.feed()) for draft in drafting]
+        with _Timer(stats, "draft", draft_model.device):
+            outs = rows_forward(draft_model, draft_cache, feeds, [1] * len(feeds), hidden=hidden)
+        stats.draft_forwards += 1
+        for draft, (logits, states) in zip(drafting, outs):
+            draft.take(logits, states)
 
-    Returns `(raw logits, processed scores)`, both `(1, k + 1, vocab)`: row i is the target's
+
+def verify(model, target_cache, rows: list[Row], proposals: list[Proposal], stats: PacerStats) -> list[tuple]:
+    """One target forward over each row's `[ids not yet in the cache] + draft tokens` (every row in the same call).
+
+    Returns per row `(raw logits, processed scores)`, both `(1, k + 1, vocab)`: row i is the target's
     next-token distribution after `ids + d_1..d_i`.
     """
-    k = proposal.tokens.shape[1]
-    feed = torch.cat([ids[:, cache_length(target_cache) :], proposal.tokens], dim=1)
+    feeds = [(row.index, torch.cat([row.ids[:, row_length(target_cache, row.index):], p.tokens], dim=1))
+             for row, p in zip(rows, proposals)]
     with _Timer(stats, "target", model.device):
-        logits, _ = model_forward(model, feed, target_cache, k + 1)
+        outs = rows_forward(model, target_cache, feeds, [p.tokens.shape[1] + 1 for p in proposals])
     stats.target_forwards += 1
-    logits = logits.to(ids.device)
-    prefix = torch.cat([ids, proposal.tokens], dim=1)
-    return logits, process_rows(logits_processor, prefix, logits)
+    verified = []
+    for row, proposal, (logits, _) in zip(rows, proposals, outs):
+        logits = logits.to(row.ids.device)
+        prefix = torch.cat([row.ids, proposal.tokens], dim=1)
+        verified.append((logits, process_rows(row.processors, prefix, logits)))
+    return verified
 
 
 def speculative_sample(tokens: torch.LongTensor, draft_scores: torch.Tensor, target_scores: torch.Tensor):
@@ -538,21 +601,77 @@ def draft_setting(draft_model) -> str:
     return "none"
 
 
-def _check_inputs(model, draft_model, head, input_ids, generation_config, model_kwargs):
-    """Everything about the call that can be checked before a forward or a cost measurement runs."""
+def _sequences(input_ids: torch.LongTensor, mask) -> list[tuple[torch.LongTensor, int]]:
+    """Each row of `input_ids` `(B, L)` without its left padding, and how much it had: `(ids (1, L_i), L - L_i)`.
+    `mask` (the attention mask, or None: no padding) must be a left-padded batch's, each row zeros then ones."""
+    if mask is None:
+        return [(input_ids[b : b + 1], 0) for b in range(input_ids.shape[0])]
+    if tuple(mask.shape) != tuple(input_ids.shape):
+        raise ValueError(f"attention_mask {tuple(mask.shape)} does not match input_ids {tuple(input_ids.shape)}.")
+    mask = mask.to("cpu")
+    if not bool(((mask == 0) | (mask == 1)).all()):
+        raise ValueError("PACER decoding reads attention_mask as padding (0) and tokens (1); it holds other values.")
+    lengths = mask.sum(-1)
+    # a left-padded row's mask is zeros, then ones to the end: its ones are the last `length` positions
+    left = torch.arange(mask.shape[1]).expand_as(mask) >= (mask.shape[1] - lengths)[:, None]
+    bad = [b for b in range(mask.shape[0]) if not torch.equal(mask[b].bool(), left[b]) or int(lengths[b]) == 0]
+    if bad:
+        b = bad[0]
+        what = ("has no token" if int(lengths[b]) == 0 else
+                "is padded on the right" if bool(mask[b, 0]) else "has a hole (padding between tokens)")
+        raise ValueError(f"PACER decoding takes left-padded batches (a tokenizer with padding_side='left'): row {b} of "
+                         f"attention_mask {what}.")
+    return [(input_ids[b : b + 1, mask.shape[1] - int(lengths[b]):], mask.shape[1] - int(lengths[b]))
+            for b in range(mask.shape[0])]
+
+
+def _pad_id(generation_config) -> int | None:
+    """The id transformers pads a batch's ended rows with (`pad_token_id`, which `generate` sets to the first
+    end-of-sequence id where it is unset)."""
+    pad = getattr(generation_config, "_pad_token_tensor", None)
+    if pad is None:
+        pad = generation_config.pad_token_id
+    return None if pad is None else int(torch.as_tensor(pad).flatten()[0])
+
+
+def _check_batch(model, draft_model, generation_config, batch: int, streamer, step_callback) -> None:
+    """What a call of several sequences cannot do, refused before any work."""
+    if batch == 1:
+        return
+    if streamer is not None:
+        raise ValueError(f"A streamer takes one sequence (transformers' streamers print one row); this call decodes "
+                         f"{batch}: stream one sequence a call, or pass no streamer.")
+    if step_callback is not None:
+        raise ValueError(f"pacer_step_callback sees one sequence's steps; this call decodes {batch}: record one "
+                         "sequence a call.")
+    if _static_mode(model, draft_model, generation_config):
+        raise ValueError(f"PACER decodes a batch ({batch} sequences) over its own cache of each sequence at its own "
+                         "length, not a static cache or a captured model's: decode one sequence a call there, or leave "
+                         "cache_implementation unset.")
+    if _pad_id(generation_config) is None:
+        raise ValueError("A batch's rows end at different lengths and are padded after their end: set pad_token_id "
+                         "(or eos_token_id) in the generation config.")
+
+
+def _check_inputs(model, draft_model, head, input_ids, generation_config, model_kwargs, streamer=None,
+                  step_callback=None) -> list[tuple[torch.LongTensor, int]]:
+    """Everything about the call that can be checked before a forward or a cost measurement runs. Returns the
+    batch's sequences without their left padding ([`_sequences`])."""
     if draft_model is None:
         raise ValueError("PACER decoding needs a draft model: pass `assistant_model=draft`.")
     if model.config.is_encoder_decoder or draft_model.config.is_encoder_decoder:
         raise ValueError("PACER decoding supports decoder-only models only.")
     if generation_config.num_beams > 1 or generation_config.num_return_sequences > 1:
         raise ValueError("PACER decoding does not support beam search or num_return_sequences > 1.")
-    if input_ids.shape[0] != 1:
-        raise ValueError(f"PACER decoding supports batch size 1 only, got a batch of {input_ids.shape[0]}.")
+    if input_ids.dim() != 2 or input_ids.shape[0] == 0:
+        raise ValueError(f"PACER decoding takes input_ids of shape (batch, length), got {tuple(input_ids.shape)}.")
     if input_ids.shape[1] == 0:
         raise ValueError("PACER decoding needs a prompt of at least one token; input_ids is empty.")
     if generation_config.output_attentions or generation_config.output_hidden_states:
         raise ValueError("PACER decoding does not return attentions or hidden states.")
-    _check_vocabularies(model, draft_model, input_ids)
+    sequences = _sequences(input_ids, model_kwargs.get("attention_mask"))
+    _check_batch(model, draft_model, generation_config, len(sequences), streamer, step_callback)
+    _check_vocabularies(model, draft_model, torch.cat([ids for ids, _ in sequences], dim=1))
     # checked even when the rule does not read the head (e.g. its default rule reads the draft alone): a head
     # trained for another draft is a mistake worth naming
     if head is not None and head.config.draft_hidden_size != draft_model.config.get_text_config().hidden_size:
@@ -571,9 +690,6 @@ def _check_inputs(model, draft_model, head, input_ids, generation_config, model_
     unknown = {k for k, v in model_kwargs.items() if v is not None} - _ALLOWED_MODEL_KWARGS
     if unknown:
         raise ValueError(f"PACER decoding does not support these generate arguments: {sorted(unknown)}.")
-    mask = model_kwargs.get("attention_mask")
-    if mask is not None and not bool((mask == 1).all()):
-        raise ValueError("PACER decoding does not support padded inputs (attention_mask with zeros).")
     _check_cache_implementation(generation_config.cache_implementation, "in the generation config")
     if _static_mode(model, draft_model, generation_config):
         _check_static(model)  # the cache transformers prepared is not used: PACER sizes both static caches
@@ -581,6 +697,10 @@ def _check_inputs(model, draft_model, head, input_ids, generation_config, model_
     else:
         _check_cache(model, _given_cache(model_kwargs))
         _check_cache(draft_model, None)
+    if len(sequences) > 1:
+        for m in (model, draft_model):
+            check_packable(m)  # an attention implementation or layer type a packed call cannot mask: refused now
+    return sequences
 
 
 def _check_policy(policy, head) -> None:
@@ -635,14 +755,23 @@ def register_cost_provider(measure, forget) -> None:
     _COST_PROVIDER.update(measure=measure, forget=forget)
 
 
-def _host_costs(model, draft_model, head, max_tokens: int):
-    """This machine's cost model for a cost-aware rule: the registered provider's, or measured here once per process."""
+def _host_costs(model, draft_model, head, max_tokens: int, rows: int = 1):
+    """This machine's cost model for a cost-aware rule (for a batch of `rows` sequences: its calls' sizes too): the
+    registered provider's, or measured here once per process."""
     if "measure" in _COST_PROVIDER:
-        return _COST_PROVIDER["measure"](model, draft_model, head, max_tokens=max_tokens)
-    key = (id(model), id(draft_model), id(head), max_tokens)
+        extra = {"rows": rows} if rows > 1 else {}
+        return _COST_PROVIDER["measure"](model, draft_model, head, max_tokens=max_tokens, **extra)
+    key = (id(model), id(draft_model), id(head), max_tokens, rows)
     if key not in _MEASURED:
-        _MEASURED[key] = measure_costs(model, draft_model, head, fixed_prefix(model, 128, draft_model), max_tokens)
+        _MEASURED[key] = measure_costs(model, draft_model, head, fixed_prefix(model, 128, draft_model), max_tokens,
+                                       rows=rows)
     return _MEASURED[key]
+
+
+def _cost_aware(policy) -> bool:
+    """A rule that prices its steps with a cost model (the cost-aware rule, or one like it)."""
+    costs = getattr(policy, "costs", None)
+    return all(hasattr(costs, name) for name in ("target", "draft", "step", "draft_forward"))
 
 
 def _forget_costs(model, draft_model, head, max_tokens: int) -> bool:
@@ -742,6 +871,12 @@ def pacer_decoding(
     """The decoding loop, in the shape of transformers' `custom_generate` callables: `generate`
     prepares the generation config, logits processors and stopping criteria, then calls this.
 
+    `input_ids` `(B, L)`, left-padded where its rows differ in length (`attention_mask`, as a tokenizer with
+    `padding_side="left"` gives it): every row is decoded as if alone, with its own draft length, stopping rule,
+    free drafts and end ([`Row`]); the rows still drafting share each draft forward and every row's draft is verified
+    in one target forward (each row's tokens packed after its own cache: [`RowCache`]). Over an exact target a row's
+    tokens are, bit for bit, its own output decoded alone.
+
     `pacer_lookup` (True, an [`NgramLookup`] or its settings as a dict): open each draft with tokens looked up in the
     sequence so far where its last few tokens occurred before ([`NgramLookup`]: free drafts, no draft forward), under
     the rule's control; the rule must not read the head (looked-up tokens have no draft hidden states).
@@ -752,41 +887,57 @@ def pacer_decoding(
 
     `pacer_step_callback(ids, proposal, target_scores, num_accepted)`, if given, sees every step before
     its tokens are emitted (`ids` `(1, L)` the sequence so far, `proposal` a [`Proposal`] with hidden states
-    kept, `target_scores` `(1, k + 1, vocab)`): this is how training data is recorded from real decoding.
+    kept, `target_scores` `(1, k + 1, vocab)`): this is how training data is recorded from real decoding (one
+    sequence a call).
 
-    A `stopping_policy` instance is copied at the start of the call and the copy adapts (`reset`, `update`), so
-    the instance passed is never modified and one instance can serve concurrent calls; the copy, in its final
-    state, is `pacer_policy` of the [`PacerGenerateOutput`].
+    A `stopping_policy` instance is copied at the start of the call and each row's copy adapts (`reset`, `update`),
+    so the instance passed is never modified and one instance can serve concurrent calls; the copies, in their final
+    state, are `pacer_policies` of the [`PacerGenerateOutput`] (`pacer_policy`: the first row's).
 
-    `input_ids` `(1, L)`. Returns `(1, L + new)` token ids, or a [`PacerGenerateOutput`] with
-    `return_dict_in_generate=True`.
+    Returns `(B, L + new)` token ids (rows that ended early padded with `pad_token_id`, as transformers pads them),
+    or a [`PacerGenerateOutput`] with `return_dict_in_generate=True`.
     """
     head_config = getattr(pacer_head, "config", None)
     do_sample = generation_config.do_sample
     # every check before the first forward, the cost measurement's included
-    _check_inputs(model, draft_model, pacer_head, input_ids, generation_config, model_kwargs)
-    draft_offset = _draft_offset(pacer_draft_window, input_ids.shape[1])
+    sequences = _check_inputs(model, draft_model, pacer_head, input_ids, generation_config, model_kwargs,
+                              pacer_streamer, pacer_step_callback)
+    offsets = [_draft_offset(pacer_draft_window, ids.shape[1]) for ids, _ in sequences]
     lookup = _lookup(pacer_lookup, stopping_policy, pacer_head, do_sample, pacer_step_callback)
+    batch = len(sequences)
     with _one_call_at_a_time(model, draft_model):  # a captured model's graphs and static caches are shared
         # the head's default rule follows the mode: its config may name another rule for sampled decoding
         measured_here = _cost_inputs(stopping_policy, pacer_head, do_sample) if pacer_costs is None else None
         if measured_here:
-            pacer_costs = _host_costs(model, draft_model, *measured_here)
+            pacer_costs = _host_costs(model, draft_model, *measured_here, rows=batch)
         policy = make_policy(stopping_policy, head_config, pacer_costs, do_sample)
-        if policy is stopping_policy:
-            policy = _own_copy(policy)
         _check_policy(policy, pacer_head)
-        policy.reset()
+        # in a batch, a cost-aware rule prices the batch's step: each row's copy reads its view of it
+        batch_costs = BatchCosts(policy.costs, batch) if batch > 1 and _cost_aware(policy) else None
 
-        stats = PacerStats(policy=repr(policy), target_exact=getattr(model, "_pacer_exact", None))
+        stats = PacerStats(policy=repr(policy), target_exact=getattr(model, "_pacer_exact", None), batch_size=batch)
         start = time.perf_counter()
         eos = generation_config._eos_token_tensor
         eos_token_ids = set(eos.flatten().tolist()) if eos is not None else set()
         want_scores = generation_config.return_dict_in_generate and generation_config.output_scores
         want_logits = generation_config.return_dict_in_generate and generation_config.output_logits
-        all_scores, all_logits = [], []
 
-        if _static_mode(model, draft_model, generation_config):
+        rows = []
+        for index, ((ids, padding), offset) in enumerate(zip(sequences, offsets)):
+            own = _own_copy(policy) if policy is stopping_policy or index else policy
+            if batch_costs is not None:
+                own.costs = batch_costs.rows[index]
+                own.draft_nothing = True  # in a batch, drafting at all is judged too: verification rows grow dear
+            own.reset()
+            rows.append(Row(index, ids, padding, generation_config.max_length - padding, own,
+                            row_processors(logits_processor, index, padding),
+                            row_processors(stopping_criteria, index, padding),
+                            lookup=NgramLookup(**lookup.to_dict()) if lookup is not None and index else lookup,
+                            draft_offset=offset))
+        if batch > 1:  # each sequence at its own length in one cache a model (sized for the longest)
+            target_cache = RowCache(batch, generation_config.max_length + 1)
+            draft_cache = RowCache(batch, generation_config.max_length + 1)
+        elif _static_mode(model, draft_model, generation_config):
             # sized for the whole call plus any padding a model's fixed row shape writes past its real tokens; the target
             # alone compares bitwise only over a cache of the same size (`new_cache`)
             target_cache = new_cache(model, generation_config.max_length, static=True)
@@ -799,71 +950,101 @@ def pacer_decoding(
         if pacer_streamer is not None:
             pacer_streamer.put(input_ids.cpu())
 
-        ids = input_ids
         vocab = (_vocab_size(draft_model), _vocab_size(model))
-        finished = False
         prefill = True
-        while not finished:
+        active = rows
+        while active:
             if prefill:
-                # the first step drafts nothing: the target reads the whole prompt in one forward and takes the first
+                # the first step drafts nothing: the target reads each whole prompt in one forward and takes the first
                 # token from its last row, the very call plain decoding (`generate` without a draft) makes
-                proposal = Proposal(ids[:, :0], torch.empty(1, 0, 0, device=ids.device), "prefill")
+                proposals = [Proposal(row.ids[:, :0], torch.empty(1, 0, 0, device=row.ids.device), "prefill")
+                             for row in active]
             else:
-                # one verification yields one more token than was drafted, so never draft past max_length - 1
-                budget = generation_config.max_length - ids.shape[1] - 1
-                proposal = propose(draft_model, draft_cache, pacer_head, policy, ids, budget, logits_processor,
-                                   do_sample, eos_token_ids, stats, keep_hidden=pacer_step_callback is not None,
-                                   vocab=vocab, lookup=lookup, draft_offset=draft_offset)
-            raw_logits, target_scores = verify(model, target_cache, ids, proposal, logits_processor, stats)
+                proposals = propose(draft_model, draft_cache, pacer_head, active, do_sample, eos_token_ids, stats,
+                                    keep_hidden=pacer_step_callback is not None, vocab=vocab)
+            verified = verify(model, target_cache, active, proposals, stats)
             if prefill:
                 stats.prefill_time = stats.target_time
-            new_tokens, num_accepted = accept(ids, proposal, target_scores, do_sample)
-            k = proposal.tokens.shape[1]
-            if not prefill:
-                policy.update(proposal.view, num_accepted)
-                if lookup is not None:
-                    lookup.update(proposal.match, proposal.free, k, num_accepted)
+            for row, proposal, (raw_logits, target_scores) in zip(active, proposals, verified):
+                new_tokens, num_accepted = accept(row.ids, proposal, target_scores, do_sample)
+                k = proposal.tokens.shape[1]
+                if not prefill:
+                    row.policy.update(proposal.view, num_accepted)
+                    if row.lookup is not None:
+                        row.lookup.update(proposal.match, proposal.free, k, num_accepted)
+                if pacer_step_callback is not None:
+                    pacer_step_callback(row.ids, proposal, target_scores, num_accepted)
+
+                emitted = 0
+                for i in range(new_tokens.shape[1]):
+                    row.ids = torch.cat([row.ids, new_tokens[:, i : i + 1]], dim=1)
+                    emitted += 1
+                    if want_scores:
+                        row.scores.append(target_scores[:, i, :])
+                    if want_logits:
+                        row.logits.append(raw_logits[:, i, :])
+                    if bool(row.criteria(row.ids, target_scores[:, i, :]).any()):
+                        row.finished = True
+                        break
+                stats.steps.append(DecodeStep(drafted=k, accepted=num_accepted, emitted=emitted,
+                                              stop_reason=proposal.stop_reason, free=proposal.free, row=row.index))
+                if pacer_streamer is not None:
+                    pacer_streamer.put(row.ids[0, -emitted:].cpu())
+
+                # roll the caches back to the accepted prefix: the target holds all of the row's ids but the last
+                # token, the draft whatever of that it has actually seen (it never fed its own last draft token)
+                crop_row(target_cache, row.index, row.ids.shape[1] - 1)
+                crop_row(draft_cache, row.index, row.ids.shape[1] - 1 - row.draft_offset)
             prefill = False
-            if pacer_step_callback is not None:
-                pacer_step_callback(ids, proposal, target_scores, num_accepted)
-
-            emitted = 0
-            for i in range(new_tokens.shape[1]):
-                ids = torch.cat([ids, new_tokens[:, i : i + 1]], dim=1)
-                emitted += 1
-                if want_scores:
-                    all_scores.append(target_scores[:, i, :])
-                if want_logits:
-                    all_logits.append(raw_logits[:, i, :])
-                if bool(stopping_criteria(ids, target_scores[:, i, :]).any()):
-                    finished = True
-                    break
-            stats.steps.append(DecodeStep(drafted=k, accepted=num_accepted, emitted=emitted, stop_reason=proposal.stop_reason,
-                                          free=proposal.free))
-            if pacer_streamer is not None:
-                pacer_streamer.put(ids[0, -emitted:].cpu())
-
-            # roll the caches back to the accepted prefix: the target holds all of `ids` but the last token,
-            # the draft whatever of that it has actually seen (it never fed its own last draft token)
-            crop_cache(target_cache, ids.shape[1] - 1)
-            crop_cache(draft_cache, ids.shape[1] - 1 - draft_offset)
+            active = [row for row in active if not row.finished]
+            if batch_costs is not None:
+                batch_costs.active = [not row.finished for row in rows]
 
         if pacer_streamer is not None:
             pacer_streamer.end()
         stats.total_time = time.perf_counter() - start
-        if measured_here and pacer_costs is not None:
+        if measured_here and pacer_costs is not None and batch == 1:  # a batch's calls are not the curve's sizes
             _check_host_costs(model, draft_model, *measured_here, pacer_costs, stats)
 
+        output_ids = _padded_output(input_ids, rows, generation_config)
         if not generation_config.return_dict_in_generate:
-            return ids
+            return output_ids
         return PacerGenerateOutput(
-            sequences=ids,
-            scores=tuple(all_scores) if want_scores else None,
-            logits=tuple(all_logits) if want_logits else None,
+            sequences=output_ids,
+            scores=_stacked(rows, "scores") if want_scores else None,
+            logits=_stacked(rows, "logits") if want_logits else None,
             pacer_stats=stats,
-            pacer_policy=policy,
+            pacer_policy=rows[0].policy,
+            pacer_policies=[row.policy for row in rows],
             **{_OUTPUT_CACHE_FIELD: target_cache if generation_config.use_cache else None},
         )
+
+
+def _padded_output(input_ids: torch.LongTensor, rows: list[Row], generation_config) -> torch.LongTensor:
+    """The call's `(B, L + new)` ids: each row's input (its left padding kept) and new tokens, the rows that ended
+    first padded after their end with `pad_token_id`, as transformers' batched `generate` returns them."""
+    if len(rows) == 1 and rows[0].padding == 0:
+        return rows[0].ids
+    new = [row.ids[0, input_ids.shape[1] - row.padding:] for row in rows]
+    width = max(n.shape[0] for n in new)
+    pad = _pad_id(generation_config)  # required for a batch (`_check_batch`); a single row fills all it has
+    out = input_ids.new_full((len(rows), input_ids.shape[1] + width), 0 if pad is None else pad)
+    out[:, : input_ids.shape[1]] = input_ids
+    for i, n in enumerate(new):
+        out[i, input_ids.shape[1] : input_ids.shape[1] + n.shape[0]] = n
+    return out
+
+
+def _stacked(rows: list[Row], name: str) -> tuple:
+    """A `(B, vocab)` tensor a generated token, as transformers returns scores and logits for a batch: row i's of
+    its t-th token, zeros past a row's end."""
+    lists = [getattr(row, name) for row in rows]
+    steps = max(len(values) for values in lists)
+    out = []
+    for t in range(steps):
+        first = next(values[t] for values in lists if len(values) > t)
+        out.append(torch.cat([values[t] if len(values) > t else torch.zeros_like(first) for values in lists]))
+    return tuple(out)
 
 
 def _stop_strings_as_criteria(model, generation_config, stopping_criteria, kwargs):

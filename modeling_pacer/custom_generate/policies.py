@@ -339,6 +339,10 @@ class ExpectedThroughput(StoppingPolicy):
     (a decayed mean over verified tokens, each token's conditional chance taken as that rate); when no length
     is expected to beat the target alone (1 token per target(1) seconds), the step drafts nothing, except
     every `probe_every`-th such step, which drafts so that the rate keeps being measured.
+
+    In a batch, `costs` is the row's view of the batch's step (`BatchCosts` in costs.py): the rate is the whole
+    batch's, (the tokens the other rows expect + this row's) / the step's seconds with every row's draft, and the rule
+    reports where its draft stands so that the other rows judge theirs against it.
     """
 
     name = "throughput"
@@ -378,24 +382,36 @@ class ExpectedThroughput(StoppingPolicy):
     def _head_calls(self, k: int) -> int:
         return -(-k // self.block_size) if self.needs_head else 0
 
+    def _besides(self) -> float:
+        """The tokens the other rows of a batch expect from this step (none alone)."""
+        return getattr(self.costs, "tokens_besides", 0.0)
+
+    def _report(self, drafted: int, tokens: float, free: int = 0, head_calls: int = 0) -> None:
+        """Where this row's draft stands, for a batch's other rows (nothing alone)."""
+        report = getattr(self.costs, "report", None)
+        if report is not None:
+            report(drafted, tokens, free, head_calls)
+
     def begin_step(self) -> int:
         self._x = None
         if not self.draft_nothing or self._verified < 1.0:
             return self.max_draft_length
         # each token's conditional chance taken as the rate a seen so far: c_j = a^j
         a = min(self._accepted / self._verified, 1.0)
-        rate_alone = 1.0 / self.costs.step(0)
+        besides = self._besides()
+        rate_alone = (besides + 1.0) / self.costs.step(0)
         tokens, c = 1.0, 1.0
         for k in range(1, self.max_draft_length + 1):
             c *= a
             tokens += c
-            if tokens / self.costs.step(k, self._head_calls(k)) > rate_alone:
+            if (besides + tokens) / self.costs.step(k, self._head_calls(k)) > rate_alone:
                 self._skipped = 0
                 return self.max_draft_length
         self._skipped += 1
         if self._skipped >= self.probe_every:
             self._skipped = 0
             return self.max_draft_length
+        self._report(0, 1.0)
         return 0
 
     def _features(self, draft: DraftView) -> torch.Tensor:
@@ -424,14 +440,16 @@ class ExpectedThroughput(StoppingPolicy):
         c = self._cumulative(draft)
         calls = self._head_calls(k)
         tokens = 1.0 + sum(c)
-        rate_now = tokens / self.costs.step(k, calls, draft.free)
+        self._report(k, tokens, draft.free, calls)
+        besides = self._besides()
+        rate_now = (besides + tokens) / self.costs.step(k, calls, draft.free)
         r = c[-1] / c[-2] if k > 1 and c[-2] > 0 else c[-1]
         expected, c_j = tokens, c[-1]
         for longer in range(k + 1, self.max_draft_length + 1):
             c_j *= r
             expected += c_j
             free = draft.free + (min(longer - k, draft.free_ahead) if draft.free == k else 0)  # still looked up
-            if expected / self.costs.step(longer, self._head_calls(longer), free) > rate_now:
+            if (besides + expected) / self.costs.step(longer, self._head_calls(longer), free) > rate_now:
                 return None
         return "throughput"
 

@@ -21,14 +21,18 @@ bit (tests/test_processing.py compares them on random, tied and bf16 rows); this
 transformers, like the rest of this folder.
 """
 
+import copy
+import functools
 import math
 
 import torch
 from transformers import (
-    LogitsProcessorList, MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor, TopPLogitsWarper,
+    ExponentialDecayLengthPenalty, ForcedEOSTokenLogitsProcessor, LogitsProcessorList, MaxLengthCriteria,
+    MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor, PrefixConstrainedLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor, StoppingCriteriaList, SuppressTokensAtBeginLogitsProcessor, TopPLogitsWarper,
 )
 
-__all__ = ["process", "process_rows", "top_p", "min_new_tokens", "min_length", "sorted_values"]
+__all__ = ["process", "process_rows", "row_processors", "top_p", "min_new_tokens", "min_length", "sorted_values"]
 
 
 def _bf16_table(device: torch.device) -> torch.Tensor:
@@ -152,3 +156,42 @@ def process_rows(logits_processor, prefix: torch.LongTensor, logits: torch.Tenso
     n = logits.shape[1]
     start = prefix.shape[1] - (n - 1)
     return torch.stack([process(logits_processor, prefix[:, : start + i], logits[:, i, :]) for i in range(n)], dim=1)
+
+
+# transformers' processors and criteria that count a position in the (left-padded) input, and the field they count it in
+_LENGTH_FIELDS = {MinLengthLogitsProcessor: "min_length", MinNewTokensLengthLogitsProcessor: "prompt_length_to_skip",
+                  ForcedEOSTokenLogitsProcessor: "max_length", ExponentialDecayLengthPenalty: "regulation_start",
+                  SuppressTokensAtBeginLogitsProcessor: "begin_index", MaxLengthCriteria: "max_length"}
+
+
+def row_processors(processors, row: int, padding: int):
+    """The logits processors (or stopping criteria) of row `row` of a left-padded batch, which the loop hands that
+    row's ids alone, without its `padding` tokens. A list of the same processors, except copies of transformers' that
+    read the batch's layout: those that count a position of the padded input (`_LENGTH_FIELDS`: `min_length`,
+    `max_length`, the prompt's length ...) count `padding` fewer, so a row gets the lengths transformers gives it in the
+    batch (with `max_new_tokens` or `min_new_tokens`, those of the row alone); the repetition penalty's padding to skip
+    is the row's own (none: the row comes without it); a prefix constraint's function is told the row's index as its
+    batch id (and sees the row's tokens without padding). Every other processor is the list's own: it reads the row's
+    tokens, as it would the row's alone."""
+    if not isinstance(processors, (LogitsProcessorList, StoppingCriteriaList)):
+        return processors
+    rows = type(processors)()
+    for processor in processors:
+        kind = type(processor)
+        if kind in _LENGTH_FIELDS:
+            processor = copy.copy(processor)
+            setattr(processor, _LENGTH_FIELDS[kind], getattr(processor, _LENGTH_FIELDS[kind]) - padding)
+        elif kind is RepetitionPenaltyLogitsProcessor and processor.prompt_ignore_length is not None:
+            ignore = processor.prompt_ignore_length
+            ignore = int(ignore[row]) if isinstance(ignore, torch.Tensor) else int(ignore)
+            processor = copy.copy(processor)
+            processor.prompt_ignore_length = max(0, ignore - padding) or None
+        elif kind is PrefixConstrainedLogitsProcessor:
+            processor = copy.copy(processor)
+            processor._prefix_allowed_tokens_fn = functools.partial(_as_row, processor._prefix_allowed_tokens_fn, row)
+        rows.append(processor)
+    return rows
+
+
+def _as_row(function, row: int, batch_id: int, tokens):
+    return function(row + batch_id, tokens)
