@@ -89,7 +89,10 @@ def test_every_policy_gives_each_row_its_own_output(policy_name):
     out = _assert_rows_are_alone(target, draft, [6, 1, 19, 4, 9, 2, 13, 7], 17,
                                  lambda: dict(stopping_policy=POLICIES[policy_name](), do_sample=False), head)
     stats = out.pacer_stats
-    assert stats.batch_size == 8 and sum(s.drafted for s in stats.steps) > 0
+    drafted = sum(s.drafted for s in stats.steps)
+    # the rule that judges drafting at all, where a draft forward costs 0.6 of a flat verification: no draft of any
+    # length pays 8 rows (each row's share of a forward alone outprices its token), so it drafts nothing
+    assert stats.batch_size == 8 and (drafted == 0 if policy_name == "throughput-draft-nothing" else drafted > 0)
     assert sorted({s.row for s in stats.steps}) == list(range(8))
     assert [len(r.steps) for r in stats.rows()] == [sum(s.row == row for s in stats.steps) for row in range(8)]
     assert len(out.pacer_policies) == 8 and out.pacer_policy is out.pacer_policies[0]
@@ -131,8 +134,9 @@ def test_rows_end_at_different_steps():
 
 def test_free_drafts_and_a_draft_window_per_row():
     """pacer_lookup (each row its own lookup and its own estimate) and pacer_draft_window (each row's draft reads its
-    own prompt's last tokens): every row its own output."""
-    target, draft = _exact_pair("qwen2")
+    own prompt's last tokens): every row its own output. The draft is the target's own weights (every token accepted),
+    so that drafting pays a batch of three and the rows draft (looking tokens up where they can)."""
+    target, draft = _exact_pair("qwen2", draft_kind="same")
     # repetitive prompts, so that looked-up tokens are proposed and accepted
     prompts = [torch.tensor([[5, 6, 7, 8] * k]) for k in (1, 3, 5)]
     width = max(p.shape[1] for p in prompts)

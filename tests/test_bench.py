@@ -447,6 +447,9 @@ def test_trace_files_round_trip_and_a_pickle_runs_nothing(setup, tmp_path):
     (["--do-sample", "--top-p", "1.5"], r"top-p must be in \(0, 1\]"),
     (["--do-sample", "--methods", "target", "llama.cpp"], "greedy decoding only"),
     (["--do-sample", "--record-traces", "t.safetensors"], "without --do-sample"),
+    (["batch", "--batch-sizes", "0"], "must be at least 1"),
+    (["batch", "--methods", "pacer", "pacer"], "a method named twice"),
+    (["batch", "--methods", "vllm"], "invalid choice"),
 ])
 def test_bad_arguments_fail_before_any_model_loads(argv, message, monkeypatch, capsys):
     """Every argument is checked first: a clear usage error (exit 2), and the pair is never loaded."""
@@ -661,3 +664,40 @@ def test_the_run_builds_each_reduced_head_once_with_its_own_costs(setup, tmp_pat
     assert chosen[1].draft_head is chosen[0].draft_head and chosen[1].costs is chosen[0].costs  # built once
     assert chosen[0].costs is not methods["pacer"].costs and sorted(chosen[0].costs.target_forward) == [1, 2, 3, 4]
     assert draft.get_output_embeddings() is own and methods["pacer"].draft_head is None
+
+
+def test_batch_throughput_runs_every_method_on_each_batch_and_checks_every_row(tmp_path):
+    """pacer-bench batch's runner on tiny models (an exact target): every prompt alone first (the rows' reference),
+    then at each batch size every method on each left-padded group, interleaved; pacer's methods give every row the
+    target alone's output, the summary counts rows, tokens and seconds per batch size and pairs each method with
+    target-packed per group."""
+    from modeling_pacer import make_exact
+    from modeling_pacer.benchmarks.batch import BATCH_METHODS, batch_table, left_padded, run_batches, summarize_batches
+    from conftest import word_tokenizer
+
+    target, draft = make_pair("llama", "llama", "noisy")
+    make_exact(target)
+    head = make_head(draft, max_draft_length=8, stopping_rule="throughput", throughput_estimate="draft")
+    tokenizer = word_tokenizer()
+    tokenizer.pad_token = "[0]"
+    g = torch.Generator().manual_seed(3)
+    prompts = [("toy", str(i), torch.randint(1, VOCAB, (1, 3 + 2 * i), generator=g)) for i in range(5)]
+    ids, mask = left_padded([p for _, _, p in prompts[:2]], 0)
+    assert ids.shape == (2, 5) and mask.tolist() == [[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]
+    pair = SimpleNamespace(target=target, draft=draft, tokenizer=tokenizer)
+    records, references = run_batches(pair, head, prompts, [1, 2, 4], list(BATCH_METHODS), 12)
+    assert len(references) == 5 and all(len(r) == 12 for r in references.values())
+    # groups: 5 of one, 3 of two (the last one row), 2 of four (the last one row); every method on each
+    assert len(records) == (5 + 3 + 2) * 3
+    for r in records:
+        assert len(r.prompts) == len(r.new_tokens) == len(r.matches_target)
+        if r.method != "target":
+            assert all(r.matches_target), (r.method, r.batch_size, r.group)
+    rows = summarize_batches([r.to_dict() for r in records])
+    assert [(r["batch_size"], r["method"]) for r in rows] == [(b, m) for b in (1, 2, 4) for m in BATCH_METHODS]
+    for row in rows:
+        assert row["sequences"] == 5 and row["new_tokens"] == 60 and row["tokens_per_second"] > 0
+        assert ("vs_packed" in row) == (row["method"] != "target-packed")
+    assert "| 4 | pacer | 5 |" in batch_table(rows)
+    with pytest.raises(ValueError, match="unknown batch methods"):
+        run_batches(pair, head, prompts, [2], ["vllm"], 4)

@@ -8,6 +8,7 @@
     pacer-bench merge a/results.json b/results.json --out all  # one report from runs split by dataset
     pacer-bench costs --dtypes bfloat16 float32 --out costs    # this machine's cost curves, measured and plotted
     pacer-bench kernel-rows --rows 16                          # one quantized layer at 1..16 rows: what bounds verification
+    pacer-bench batch --batch-sizes 1 2 4 8 --n 10             # throughput: the prompts decoded B at a time
     pacer-bench agreement --quantize-target int4 --n 10        # a quantized target's greedy agreement with bf16
     pacer-bench draft-agreement --quantize-draft --aligned-draft adapters/qwen2.5-coder-0.5b-aligned   # before/after
 
@@ -35,7 +36,7 @@ from .provenance import run_meta
 QUICK_METHODS = ["target", "hf-assisted", "fixed-4", "svip", "specdec++", "pacer"]
 QUICK_NEW_TOKENS = 96
 COMMANDS = ("run", "replay", "merge", "breakdown", "paired", "costs", "agreement", "draft-agreement", "device", "space",
-            "kernel-rows")
+            "kernel-rows", "batch")
 
 
 def _positive(text: str) -> int:
@@ -254,6 +255,21 @@ def build_parser() -> argparse.ArgumentParser:
                       metavar=("HEADS", "KV_HEADS", "HEAD_DIM"), help="the attention's shape (default: the 1.5B target's)")
     rows.add_argument("--threads", type=_positive, help="torch CPU threads (default: torch's choice)")
     _add_output(rows, "kernel-rows-out")
+
+    from .batch import BATCH_METHODS
+
+    batch = sub.add_parser("batch", help="throughput at several batch sizes: the prompts decoded B at a time (left-padded "
+                           "batches), every method on each batch, interleaved; tokens per second of all rows, the "
+                           "latency a sequence sees, every row checked against the target alone")
+    add_pair_arguments(batch)
+    batch.add_argument("--head", help="the PacerHead whose default rule the pacer method runs (default: the pair's)")
+    batch.add_argument("--methods", nargs="+", choices=BATCH_METHODS, default=list(BATCH_METHODS))
+    batch.add_argument("--batch-sizes", nargs="+", type=_positive, default=[1, 2, 4, 8], metavar="B")
+    batch.add_argument("--datasets", nargs="+", choices=DATASETS, default=list(DATASETS))
+    batch.add_argument("--n", type=_positive, default=10, help="prompts per dataset (the first n)")
+    batch.add_argument("--max-new-tokens", type=_positive, default=96)
+    batch.add_argument("--threads", type=_positive, help="torch CPU threads (default: torch's choice)")
+    _add_output(batch, "batch-out")
     return p
 
 
@@ -326,13 +342,13 @@ def validate(args) -> None:
     if args.command == "agreement" and not args.quantize_target:
         raise ValueError("agreement compares a quantized target with its bf16 form: pass --quantize-target int4 "
                          "(or int4+int8, w4a8)")
-    if args.command in ("run", "agreement", "draft-agreement"):
+    if args.command in ("run", "agreement", "draft-agreement", "batch"):
         require("bench", f"pacer-bench {args.command} (the prompt sets)", ("datasets",))
-    if args.command in ("run", "costs", "agreement", "draft-agreement") and (
+    if args.command in ("run", "costs", "agreement", "draft-agreement", "batch") and (
             not args.target or str(args.target).endswith(".gguf") or getattr(args, "quantize_target", None)):
         require("bench", f"pacer-bench {args.command} on GGUF weights (the default pair's, or --quantize-target)",
                 ("gguf",))
-    if args.command in ("run", "costs", "agreement", "draft-agreement"):
+    if args.command in ("run", "costs", "agreement", "draft-agreement", "batch"):
         # the names, checked (nothing loads), and the draft setting that runs: the pair's own unless one is named
         args.quantize_draft = PairArguments(args.pair, args.target, args.draft, args.quantize_draft, args.quantize_target,
                                             args.dtype, args.exact, args.aligned_draft,
@@ -355,6 +371,11 @@ def validate(args) -> None:
                     resolve_dtype(dtype)
             except ValueError as error:
                 raise ValueError(f"--dtypes: {error} (or one of {sorted(TARGET_QUANTIZATIONS)})") from None
+    if args.command == "batch":
+        for dataset in args.datasets:
+            prompt_file(dataset)
+        if len(set(args.methods)) != len(args.methods):
+            raise ValueError(f"--methods {' '.join(args.methods)}: a method named twice")
     if args.command == "run":
         if {"llama.cpp", "llama.cpp-lookup"} & {m.name for m in chosen}:  # the target's GGUF file, found before a model loads
             from .llamacpp import check_target_args
@@ -927,6 +948,41 @@ def _run_device(args) -> dict:
     return run_device(args)
 
 
+def run_batch(args) -> dict:
+    from tqdm.auto import tqdm
+
+    from modeling_pacer.pairs import pair_from_args
+    from modeling_pacer.resources import write_json
+
+    from .batch import batch_table, run_batches, summarize_batches
+
+    head = _setup(args)
+    if "pacer" in args.methods and head is None:
+        raise SystemExit("pacer-bench batch: the 'pacer' method runs the head's default rule: pass --head")
+    pair = pair_from_args(args)
+    print(f"pacer-bench: {pair.describe()}", file=sys.stderr)
+    prompts = _prompts(args, pair.tokenizer)
+    runs = len(prompts) + sum(-(-len(prompts) // b) for b in args.batch_sizes) * len(args.methods)
+    with tqdm(total=runs, desc="pacer-bench batch", unit="call") as bar:
+        records, references = run_batches(pair, head, prompts, args.batch_sizes, args.methods, args.max_new_tokens, bar)
+    rows = summarize_batches([r.to_dict() for r in records])
+    table = batch_table(rows)
+    out = Path(args.out)
+    meta = run_meta(args.argv, pair=pair.name, head=portable_path(args.head), max_new_tokens=args.max_new_tokens,
+                    threads=torch.get_num_threads(), quantize_draft=args.quantize_draft,
+                    quantize_target=pair.quantize_target, fused_target=pair.fused_target,
+                    dtype=str(pair.dtype).removeprefix("torch."), exact=pair.exact, batch_sizes=args.batch_sizes)
+    write_json(out / "batch.json", dict(meta=meta, records=[r.to_dict() for r in records], summary=rows,
+                                        references=references))
+    (out / "batch.md").write_text(table)
+    lost = [r for r in rows if r["method"] != "target" and r["matches"] < r["sequences"]]
+    result = dict(table=table, files=[out / "batch.json", out / "batch.md"], summary=rows)
+    if lost:
+        result["summary"] = [dict(r, dataset="all", mismatches=r["sequences"] - r["matches"]) for r in lost]
+    _print_result(result)
+    return result
+
+
 def _run_kernel_rows(args) -> dict:
     from .kernel_rows import run_kernel_rows
 
@@ -937,7 +993,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     result = {"run": run, "replay": run_replay, "merge": run_merge, "breakdown": run_breakdown, "paired": run_paired, "costs": run_costs,
               "agreement": run_agreement, "draft-agreement": run_draft_agreement, "device": _run_device,
-              "space": _run_space, "kernel-rows": _run_kernel_rows}[args.command](args)
+              "space": _run_space, "kernel-rows": _run_kernel_rows, "batch": run_batch}[args.command](args)
     lost = [r for r in result.get("summary", []) if r.get("dataset") == "all" and r.get("mismatches")]
     if lost:  # the report is written, but a method that changed the target's output is a failure
         print(f"pacer-bench: NOT LOSSLESS: {[r['method'] for r in lost]} changed the target's output", file=sys.stderr)

@@ -31,14 +31,16 @@ def _curve(points: dict[int, float], n: int) -> float:
 @dataclass
 class CostModel:
     """Measured seconds: a target forward of n input tokens after a cached prefix (in all: a call of several
-    sequences costs what its total rows cost), one draft forward of one token, one head call over a draft, and one
-    draft forward of one token for each of b sequences (`draft_rows`, b >= 2; measured for a batch). Verification of k
-    drafts feeds k + 1 tokens."""
+    sequences costs what its total rows cost), one draft forward of one token, one head call over a draft, and, for a
+    batch, one draft forward of one token for each of b sequences (`draft_rows`, b >= 2) and the draft's reading of a
+    prompt, a token (`draft_prompt`: what a row that starts drafting late pays first). Verification of k drafts feeds
+    k + 1 tokens."""
 
     target_forward: dict[int, float]
     draft_forward: float
     head_call: float = 0.0
     draft_rows: dict[int, float] = field(default_factory=dict)
+    draft_prompt: float = 0.0
 
     def target(self, num_tokens: int) -> float:
         """A target forward of `num_tokens` rows (between measured sizes: linear; past them: proportional)."""
@@ -55,58 +57,97 @@ class CostModel:
     def to_dict(self) -> dict:
         out = {"target_forward": self.target_forward, "draft_forward": self.draft_forward, "head_call": self.head_call}
         if self.draft_rows:
-            out["draft_rows"] = self.draft_rows
+            out.update(draft_rows=self.draft_rows, draft_prompt=self.draft_prompt)
         return out
 
     @classmethod
     def from_dict(cls, data: dict) -> "CostModel":
         """The inverse of `to_dict`, also after a JSON round trip (which turns the token counts into strings)."""
         return cls({int(k): v for k, v in data["target_forward"].items()}, data["draft_forward"], data.get("head_call", 0.0),
-                   {int(k): v for k, v in data.get("draft_rows", {}).items()})
+                   {int(k): v for k, v in data.get("draft_rows", {}).items()}, data.get("draft_prompt", 0.0))
 
 
 class BatchCosts:
     """One step of a batch as the cost-aware rule of each of its rows sees it: the rows still drafting share each draft
     forward (b rows cost `draft(b)`), one target forward verifies every row's draft (`target` of their rows in all).
 
-    Each row's rule reports where its draft stands (`report`: its length, its looked-up tokens, its head calls and
-    the tokens it expects from the step), and judges a length of its own against the batch's rate: the tokens every
-    row expects, over the whole step's seconds, with the other rows where they last said they were. So a row drafts on
-    while its next token is worth more than the batch's rate at its extra seconds: as verification rows grow dear with
-    the batch, every row drafts less. `rows[i]` is row i's view ([`RowCosts`]), which the rule reads as its costs."""
+    Each row's rule reports where its draft stands (`RowCosts.report`: its length, its looked-up tokens, its head
+    calls, the tokens it expects from the step, whether it stopped) and weighs a longer draft of its own against the
+    batch's rate, the tokens every row expects over the step's seconds: its extra tokens are worth drafting while
+    they outweigh that rate times their extra seconds, the verification rows they add and its share of each draft
+    forward it takes part in (`draft(n) / n` with the n rows still drafting: the rows draft in lockstep, so a forward
+    is shared by all who go on). So a row drafts on alone less than with company, and as verification rows grow dear
+    with the batch every row drafts less. `rows[i]` is row i's view, which its rule reads as its cost model."""
 
     def __init__(self, costs: CostModel, batch: int):
         self.costs = costs
-        self.drafted = [0] * batch
-        self.free = [0] * batch
-        self.head_calls = [0] * batch
-        self.tokens = [1.0] * batch  # a row that drafts nothing still gets the target's own token
-        self.active = [True] * batch
+        self.active = [True] * batch  # rows not yet ended
         self.rows = [RowCosts(self, row) for row in range(batch)]
+        # what the rows' drafting steps gave, decayed a step: row-steps, their tokens (accepted + 1), their drafts
+        self.steps = self.yielded = self.lengths = 0.0
+        self.observed = 0  # drafting row-steps seen, all told
+        self.read_prompt = [False] * batch  # rows whose draft has read their prompt (they have drafted)
+        self.since_probe = 0  # steps since a row last drafted to measure the acceptance for all
+        self.backoff = 1  # probes since drafting last paid: each waits twice as long as the one before
+        # per row: the tokens its draft would first read (its prompt and what it made, until it drafts) and the tokens
+        # it may still make (the loop says, each step), over which that reading is spread
+        self.unread = [0] * batch
+        self.remaining = [1] * batch
+        self.begin()
+
+    def begin(self) -> None:
+        """A new step: nothing drafted yet, every active row may draft, no row has probed."""
+        batch = len(self.active)
+        self.drafted, self.free, self.head_calls = [0] * batch, [0] * batch, [0] * batch
+        self.tokens = [1.0] * batch  # a row that drafts nothing still gets the target's own token
+        self.alive = list(self.active)
+        self.probed = False
+        self.since_probe += 1
+        # decayed a step: a half-life of about 14 steps, as a row's own count
+        self.steps, self.yielded, self.lengths = 0.95 * self.steps, 0.95 * self.yielded, 0.95 * self.lengths
+
+    def _forwards(self, row: int) -> int:
+        return self.drafted[row] - self.free[row]
+
+    def now(self) -> float:
+        """The step's seconds with every active row where it stands."""
+        rows = [r for r in range(len(self.active)) if self.active[r]]
+        forwards = [self._forwards(r) for r in rows]
+        drafting = sum(self.costs.draft(sum(n >= s for n in forwards)) for s in range(1, max(forwards, default=0) + 1))
+        calls = sum(self.head_calls[r] for r in rows)
+        return drafting + self.costs.target(sum(self.drafted[r] + 1 for r in rows)) + calls * self.costs.head_call
 
     def step(self, row: int, drafted: int, head_calls: int = 0, free: int = 0) -> float:
-        """The batch's step, in seconds, with row `row` at `drafted` tokens (`free` looked up) and the other active rows
-        where they stand."""
-        lengths, forwards, calls = [], [], 0
-        for other in range(len(self.active)):
-            if other == row:
-                k, f, h = drafted, free, head_calls
-            elif self.active[other]:
-                k, f, h = self.drafted[other], self.free[other], self.head_calls[other]
-            else:
-                continue
-            lengths.append(k)
-            forwards.append(k - f)
-            calls += h
-        drafting = sum(self.costs.draft(sum(n >= s for n in forwards)) for s in range(1, max(forwards, default=0) + 1))
-        return drafting + self.costs.target(sum(k + 1 for k in lengths)) + calls * self.costs.head_call
+        """The step's seconds as row `row` prices its draft at `drafted` tokens (`free` looked up, `head_calls` head
+        calls): the step as it stands, plus this row's share of what the longer draft adds. The rows still drafting
+        face the same choice in lockstep, so each is priced as one of them: a 1/n share of the verification rows that n
+        rows drafting as far would add, and of each draft forward with the rows drafting then."""
+        now = self.now()
+        extra = drafted - self.drafted[row]
+        if extra <= 0:
+            return now
+        rows = [r for r in range(len(self.active)) if self.active[r]]
+        total = sum(self.drafted[r] + 1 for r in rows)
+        along = 1 + sum(1 for o in rows if o != row and self.alive[o])
+        verify = (self.costs.target(total + along * extra) - self.costs.target(total)) / along
+        share = 0.0
+        for s in range(self._forwards(row) + 1, drafted - free + 1):
+            n = 1 + sum(1 for o in rows if o != row and (self.alive[o] or self._forwards(o) >= s))
+            share += self.costs.draft(n) / n
+        if drafted > free and not self.read_prompt[row]:  # its draft reads the sequence first: this step's share
+            share += self.unread[row] * self.costs.draft_prompt * min(1.0, (drafted + 1) / self.remaining[row])
+        return now + verify + share + max(0, head_calls - self.head_calls[row]) * self.costs.head_call
+
+    def sequence(self, row: int, unread: int, remaining: int) -> None:
+        """Row `row`'s draft would first read `unread` tokens, and it may make `remaining` more (the loop, each step)."""
+        self.unread[row], self.remaining[row] = unread, max(1, remaining)
 
 
 @dataclass
 class RowCosts:
     """Row `row`'s view of a [`BatchCosts`], read by its cost-aware rule as its cost model: `step` prices the batch's
     step with this row's draft at a given length, `tokens_besides` the tokens the other rows expect from it, `report`
-    says where this row's draft stands."""
+    says where this row's draft stands (and whether it stopped)."""
 
     batch: BatchCosts
     row: int
@@ -119,12 +160,52 @@ class RowCosts:
         b = self.batch
         return sum(t for other, (t, on) in enumerate(zip(b.tokens, b.active)) if on and other != self.row)
 
-    def report(self, drafted: int, tokens: float, free: int = 0, head_calls: int = 0) -> None:
+    def report(self, drafted: int, tokens: float, free: int = 0, head_calls: int = 0, stopped: bool = False) -> None:
         b = self.batch
         b.drafted[self.row], b.tokens[self.row], b.free[self.row], b.head_calls[self.row] = drafted, tokens, free, head_calls
+        if drafted > free:
+            b.read_prompt[self.row] = True
+        if stopped:
+            self.stopped()
+
+    def stopped(self) -> None:
+        """This row drafts no more this step (its rule, an end of sequence or its cap stopped it)."""
+        self.batch.alive[self.row] = False
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """A verification of this row's draft of `drafted` tokens, `accepted` of them kept."""
+        b = self.batch
+        b.steps, b.yielded, b.lengths, b.observed = b.steps + 1, b.yielded + accepted + 1, b.lengths + drafted, b.observed + 1
+
+    def pooled(self) -> tuple[float, float] | None:
+        """`(tokens, drafted)` a drafting step of a row has given the whole batch on average (decayed): its tokens
+        (accepted + 1) and its draft's length; None before any."""
+        b = self.batch
+        return (b.yielded / b.steps, b.lengths / b.steps) if b.observed and b.steps > 0 else None
+
+    def probe(self, every: int) -> bool:
+        """Whether this row drafts this step to measure the acceptance for the whole batch, drafting not paying at
+        what was measured: one row a step, once before anything was seen, then after `every` steps, and each probe
+        since drafting last paid twice as long after the one before (a batch where drafting loses pays for few); a row
+        whose draft has already read its prompt where one is left (another row's would first read its whole prompt)."""
+        b = self.batch
+        if b.probed or (b.observed and b.since_probe < every * b.backoff):
+            return False
+        if not b.read_prompt[self.row] and any(read and on for read, on in zip(b.read_prompt, b.active)):
+            return False
+        b.probed, b.since_probe = True, 0
+        b.backoff = b.backoff * 2 if b.observed else 1
+        return True
+
+    def pays(self) -> None:
+        """Drafting pays at what the batch has measured: probes start over at `every` steps."""
+        self.batch.backoff = 1
 
     def target(self, num_tokens: int) -> float:
         return self.batch.costs.target(num_tokens)
+
+    def draft(self, rows: int = 1) -> float:
+        return self.batch.costs.draft(rows)
 
     @property
     def draft_forward(self) -> float:
@@ -231,6 +312,7 @@ def measure_costs(target, draft, head, input_ids: torch.Tensor, max_tokens: int,
                     packed.crop_row(row, prefix)
 
             fns.extend(lambda b=b: draft_rows(b) for b in range(2, rows + 1))
+            fns.append(lambda: model_forward(draft, input_ids, new_cache(draft, prefix + 1), 1))  # a prompt read
     if head is not None:
         length = max(1, min(max_tokens - 1, head.config.max_draft_length))  # the longest draft it reads
         # as the loop hands them: the draft's hidden states in the head's dtype, features in float32, on its device
@@ -243,7 +325,8 @@ def measure_costs(target, draft, head, input_ids: torch.Tensor, max_tokens: int,
     rest = iter(seconds[len(sizes):])
     draft_forward = next(rest) if draft is not None else 0.0
     draft_rows = {b: next(rest) for b in range(2, rows + 1)} if draft is not None and rows > 1 else {}
-    return CostModel(costs, draft_forward, next(rest) if head is not None else 0.0, draft_rows)
+    draft_prompt = next(rest) / prefix if draft_rows else 0.0
+    return CostModel(costs, draft_forward, next(rest) if head is not None else 0.0, draft_rows, draft_prompt)
 
 
 def fixed_prefix(model, tokens: int = 128, *others) -> torch.Tensor:

@@ -243,6 +243,13 @@ class Row:
         return self.max_length - self.ids.shape[1] - 1
 
 
+def _stopped(row: "Row") -> None:
+    """Tell a batch's cost view (a cost-aware rule's `RowCosts`) that this row drafts no more this step."""
+    stopped = getattr(getattr(row.policy, "costs", None), "stopped", None)
+    if stopped is not None:
+        stopped()
+
+
 class _Draft:
     """One row's draft while it is drafted ([`propose`]): the tokens so far, what its rule saw, why it stopped.
 
@@ -258,6 +265,8 @@ class _Draft:
         self.cap = min(step_cap, budget)
         self.cap_reason = "budget" if budget < step_cap else "max_draft_length"
         self.reason = None if self.cap > 0 else self.cap_reason
+        if self.reason is not None:
+            _stopped(row)
         self.tokens: list[torch.Tensor] = []
         self.scores: list[torch.Tensor] = []
         self.probs: list[torch.Tensor] = []
@@ -304,6 +313,8 @@ class _Draft:
             self.reason = reason
         elif len(self.tokens) >= self.cap:
             self.reason = self.cap_reason
+        if self.reason is not None:
+            _stopped(self.row)
 
     def take_free(self) -> None:
         """The looked-up tokens the draft opens with, while the rule goes on (they cost no forward)."""
@@ -960,6 +971,11 @@ def pacer_decoding(
                 proposals = [Proposal(row.ids[:, :0], torch.empty(1, 0, 0, device=row.ids.device), "prefill")
                              for row in active]
             else:
+                if batch_costs is not None:
+                    batch_costs.begin()
+                    for row in active:
+                        unread = row.ids.shape[1] - row.draft_offset - row_length(draft_cache, row.index)
+                        batch_costs.sequence(row.index, unread, row.budget + 1)
                 proposals = propose(draft_model, draft_cache, pacer_head, active, do_sample, eos_token_ids, stats,
                                     keep_hidden=pacer_step_callback is not None, vocab=vocab)
             verified = verify(model, target_cache, active, proposals, stats)

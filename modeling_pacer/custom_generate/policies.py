@@ -342,7 +342,9 @@ class ExpectedThroughput(StoppingPolicy):
 
     In a batch, `costs` is the row's view of the batch's step (`BatchCosts` in costs.py): the rate is the whole
     batch's, (the tokens the other rows expect + this row's) / the step's seconds with every row's draft, and the rule
-    reports where its draft stands so that the other rows judge theirs against it.
+    reports where its draft stands so that the other rows judge theirs against it. With `draft_nothing`, the rows judge
+    drafting at all by the acceptance the whole batch has seen, and one row a step drafts to measure it (before any
+    was seen, and to probe): the others need not read their prompts into the draft while drafting does not pay.
     """
 
     name = "throughput"
@@ -386,15 +388,20 @@ class ExpectedThroughput(StoppingPolicy):
         """The tokens the other rows of a batch expect from this step (none alone)."""
         return getattr(self.costs, "tokens_besides", 0.0)
 
-    def _report(self, drafted: int, tokens: float, free: int = 0, head_calls: int = 0) -> None:
+    def _report(self, drafted: int, tokens: float, free: int = 0, head_calls: int = 0, stopped: bool = False) -> None:
         """Where this row's draft stands, for a batch's other rows (nothing alone)."""
         report = getattr(self.costs, "report", None)
         if report is not None:
-            report(drafted, tokens, free, head_calls)
+            report(drafted, tokens, free, head_calls, stopped)
 
     def begin_step(self) -> int:
         self._x = None
-        if not self.draft_nothing or self._verified < 1.0:
+        if not self.draft_nothing:
+            return self.max_draft_length
+        pooled = getattr(self.costs, "pooled", None)
+        if pooled is not None:
+            return self._begin_in_batch(pooled())
+        if self._verified < 1.0:
             return self.max_draft_length
         # each token's conditional chance taken as the rate a seen so far: c_j = a^j
         a = min(self._accepted / self._verified, 1.0)
@@ -411,7 +418,30 @@ class ExpectedThroughput(StoppingPolicy):
         if self._skipped >= self.probe_every:
             self._skipped = 0
             return self.max_draft_length
-        self._report(0, 1.0)
+        return 0
+
+    def _begin_in_batch(self, seen: tuple[float, float] | None) -> int:
+        """`begin_step` in a batch: draft if a drafting step of the length the batch's rows draft, giving the tokens
+        theirs gave (`seen`, the batch's average: `pooled`), outprices a plain step at the batch's rate, with this row
+        priced as one of the rows doing the same; else draft nothing, but for the batch's probe (one row a step, before
+        anything was seen, then `probe_every` steps after, each further one waiting twice as long while drafting does
+        not pay: `probe`), which keeps the average measured, and which is not
+        made where even a draft the target accepts whole would not pay (a batch whose verification rows cost more than
+        they give at any length: no row reads its prompt into the draft)."""
+        besides = self._besides()
+        plain = (besides + 1.0) / self.costs.step(0)
+        if seen is not None:
+            tokens, drafted = seen
+            k = max(1, min(self.max_draft_length, round(drafted)))
+            if (besides + tokens) / self.costs.step(k, self._head_calls(k)) > plain:
+                self.costs.pays()
+                return self.max_draft_length
+        # probe only where a draft could pay at all: one the target accepted whole, at some length
+        could_pay = any((besides + k + 1.0) / self.costs.step(k, self._head_calls(k)) > plain
+                        for k in range(1, self.max_draft_length + 1))
+        if could_pay and self.costs.probe(self.probe_every):
+            return self.max_draft_length
+        self._report(0, 1.0, stopped=True)
         return 0
 
     def _features(self, draft: DraftView) -> torch.Tensor:
@@ -451,6 +481,7 @@ class ExpectedThroughput(StoppingPolicy):
             free = draft.free + (min(longer - k, draft.free_ahead) if draft.free == k else 0)  # still looked up
             if (besides + expected) / self.costs.step(longer, self._head_calls(longer), free) > rate_now:
                 return None
+        self._report(k, tokens, draft.free, calls, stopped=True)
         return "throughput"
 
     def update(self, draft: DraftView | None, num_accepted: int) -> None:
@@ -464,6 +495,9 @@ class ExpectedThroughput(StoppingPolicy):
         # decayed so that the rate follows the text (a half-life of about 14 steps)
         self._accepted = 0.95 * self._accepted + num_accepted
         self._verified = 0.95 * self._verified + min(num_accepted + 1, draft.length)
+        observe = getattr(self.costs, "observe", None)  # a batch's shared count
+        if observe is not None:
+            observe(draft.length, num_accepted)
 
     def __repr__(self) -> str:
         extra = f", calibration={self.calibration}" if self.calibration is not None else ""
