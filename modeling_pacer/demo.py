@@ -10,9 +10,11 @@ every token came: drafted and accepted, drafted and rejected (struck through), o
 """
 
 import argparse
+import collections
+import functools
 import html
+import logging
 import os
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -53,39 +55,70 @@ LIMITS = {"max new tokens": (8, 512), "γ": (1, 8), "temperature": (0.1, 1.5)}
 MAX_PROMPT_CHARS = 4000
 MAX_PROMPT_TOKENS = 1024
 QUEUE_SIZE = 8  # requests waiting behind the one generating; more are turned away (memory stays bounded)
+MAX_BATCH = 4  # requests of the same settings that wait are decoded together, this many at most: one batch
+
+
+@dataclass
+class _Job:
+    run: object  # run(payloads): the work of every job taken with it, one payload each
+    payload: object
+    key: object  # jobs of one key (not None) may run together
+    done: threading.Event = field(default_factory=threading.Event)
 
 
 class GenerationWorker:
     """The one long-lived thread that runs every generation of the process, one at a time, in the order asked: on a
     CPU two generations at once share the cores and each runs at a fraction of its speed. With a thread started per
     request (and the whole text decoded at every refresh) the page's target alone ran at 0.90 of the same call outside
-    it; with this worker (and each segment decoded once) at 0.99 (benchmarks/results/2026-12-04-space-truth)."""
+    it; with this worker (and each segment decoded once) at 0.99 (benchmarks/results/2026-12-04-space-truth).
+
+    Jobs submitted with the same `key` that are waiting when the worker takes the first of them run together, up to
+    `MAX_BATCH`: one call decodes them all, as rows of a batch."""
 
     def __init__(self):
-        self._jobs: queue.Queue = queue.Queue()
+        self._jobs: collections.deque[_Job] = collections.deque()
+        self._ready = threading.Condition()
         self._thread: threading.Thread | None = None
-        self._start = threading.Lock()
         self.busy = threading.Event()  # set while a generation runs
 
-    def submit(self, job) -> threading.Event:
-        """Run `job()` on the worker; the returned event is set once it has ended (returned or raised)."""
-        with self._start:
+    def submit(self, job, key=None, payload=None) -> threading.Event:
+        """Run `job([payload, ...])` on the worker, with the payloads of the jobs of the same `key` (not None) that
+        wait with it; the returned event is set once it has ended (returned or raised)."""
+        entry = _Job(job, payload, key)
+        with self._ready:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._loop, daemon=True, name="pacer-demo-generation")
                 self._thread.start()
-        done = threading.Event()
-        self._jobs.put((job, done))
-        return done
+            self._jobs.append(entry)
+            self._ready.notify()
+        return entry.done
+
+    def _take(self) -> list[_Job]:
+        """The next job and the waiting ones of its key (in the order asked), at most MAX_BATCH."""
+        with self._ready:
+            while not self._jobs:
+                self._ready.wait()
+            first = self._jobs.popleft()
+            group = [first]
+            if first.key is not None:
+                for job in list(self._jobs):
+                    if len(group) < MAX_BATCH and job.key == first.key:
+                        self._jobs.remove(job)
+                        group.append(job)
+            return group
 
     def _loop(self) -> None:
         while True:
-            job, done = self._jobs.get()
+            group = self._take()
             self.busy.set()
             try:
-                job()
+                group[0].run([job.payload for job in group])
+            except Exception:  # noqa: BLE001 - logged; the worker lives on for the next job
+                logging.getLogger(__name__).exception("pacer-demo: a generation job failed")
             finally:
                 self.busy.clear()
-                done.set()
+                for job in group:
+                    job.done.set()
 
 
 WORKER = GenerationWorker()
@@ -174,6 +207,7 @@ class Side:
     done: bool = False
     error: str | None = None
     rule: str = ""  # the stopping rule that ran, as the loop reports it (PACER's methods)
+    batch: int = 1  # the requests decoded together with this one, itself included
     rendered: list[str] = field(default_factory=list)  # segments rendered so far: each is decoded once
 
     @property
@@ -209,25 +243,75 @@ class _Streamer(BaseStreamer):
         pass
 
 
-def _run(side: Side, fn) -> None:
-    side.started = time.perf_counter()
+def _run(sides: list[Side], fn) -> None:
+    """`fn()`, the generation of `sides` (one visitor's, or a batch's rows), timed for each."""
+    started = time.perf_counter()
+    for side in sides:
+        side.started = started
     try:
         fn()
     except Exception as error:  # shown on the page rather than lost in a thread
-        side.error = f"{type(error).__name__}: {error}"
+        for side in sides:
+            side.error = f"{type(error).__name__}: {error}"
     finally:
-        side.finished = time.perf_counter()
-        side.done = True
+        finished = time.perf_counter()
+        for side in sides:
+            side.finished, side.done = finished, True
+
+
+class _RowStreamer:
+    """A batch's streamer for pacer's loop: the prompts by `put`, then each row's tokens by `put_row`, each to that
+    row's own streamer."""
+
+    def __init__(self, streamers: list):
+        self.streamers = streamers
+
+    def put(self, value):
+        for row, streamer in enumerate(self.streamers):
+            streamer.put(value[row])
+
+    def put_row(self, row: int, value):
+        self.streamers[row].put(value)
+
+    def end(self):
+        for streamer in self.streamers:
+            streamer.end()
+
+
+class _BatchStreamer(BaseStreamer):
+    """A batch's streamer for transformers' `generate`: its prompts, then a token a row a step, each to that row's own
+    streamer, up to the row's end (transformers pads the rows that ended)."""
+
+    def __init__(self, streamers: list, eos: set[int]):
+        self.streamers, self.eos, self.ended = streamers, eos, [False] * len(streamers)
+        self.prompt_seen = False
+
+    def put(self, value):
+        if not self.prompt_seen:
+            self.prompt_seen = True
+            for row, streamer in enumerate(self.streamers):
+                streamer.put(value[row])
+            return
+        for row, token in enumerate(value.flatten().tolist()):
+            if not self.ended[row]:
+                self.streamers[row].put(torch.tensor([token]))
+                self.ended[row] = token in self.eos
+
+    def end(self):
+        for streamer in self.streamers:
+            streamer.end()
 
 
 class _Cancelled(StoppingCriteria):
-    """Ends a generation at its next step once `event` is set (the request that asked for it is gone)."""
+    """Ends a generation at its next step once every one of `events` is set (the requests that asked for it are
+    gone: a batch goes on while one of its requests waits for it)."""
 
-    def __init__(self, event: threading.Event):
-        self.event = event
+    def __init__(self, *events: threading.Event):
+        self.events = events
 
     def __call__(self, input_ids, scores, **kwargs):
-        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
+        gone = all(event.is_set() for event in self.events)
+        return torch.full((input_ids.shape[0],), gone, dtype=torch.bool, device=input_ids.device)
 
 
 @dataclass
@@ -282,45 +366,98 @@ def check_request(prompt, max_new_tokens, mode, temperature, method, gamma) -> d
                 temperature=number("temperature", temperature, False), method=method, gamma=number("γ", gamma, True))
 
 
+@dataclass
+class _Request:
+    """One visitor's comparison as the worker runs it: its prompt and its sides."""
+
+    input_ids: torch.Tensor
+    sides: dict[str, Side]
+    cancel: threading.Event
+
+
 def start_comparison(models: DemoModels, input_ids, method: str, gamma: int, settings: dict) -> Comparison:
     """Run `method`, then the target alone, on the generation worker ([`WORKER`]); returns the comparison, its sides
     filled as they stream. `Comparison.stop()` ends the generation at its next step.
 
     One after the other, never at once: on a CPU two generations share the same cores and memory bandwidth, so
-    side by side each would run at a fraction of its speed; in turn, each side's tokens/s is what it makes alone."""
+    side by side each would run at a fraction of its speed; in turn, each side's tokens/s is what it makes alone.
+    Requests of the same method and settings that wait for the worker are decoded together ([`GenerationWorker`]):
+    each side of theirs is one batched call, each visitor's rows its own output; `Side.batch` says how many."""
     names = ["target"] if method == "target alone" else ["method", "target"]
-    sides = {n: Side(n) for n in names}
-    cancel = threading.Event()
-    settings = dict(settings, stopping_criteria=StoppingCriteriaList([_Cancelled(cancel)]))
+    request = _Request(input_ids, {n: Side(n) for n in names}, threading.Event())
+    # transformers' assisted generation decodes one sequence a call: its requests run alone
+    key = None if method == "transformers' assisted generation" else (
+        id(models), method, gamma, tuple(sorted((k, str(v)) for k, v in settings.items())))
+    run = functools.partial(_compare_together, models, method, gamma, settings, names)
+    return Comparison(request.sides, WORKER.submit(run, key, request), request.cancel)
+
+
+def _compare_together(models: DemoModels, method: str, gamma: int, settings: dict, names: list, requests: list) -> None:
+    """`requests` (one or several visitors of the same method and settings): the method's side of all of them in one
+    call, then the target alone's, each a left-padded batch where there are several. An error is shown on every side
+    it leaves unfinished."""
+    try:
+        _compare(models, method, gamma, settings, names, requests)
+    except Exception as error:
+        for r in requests:
+            for side in r.sides.values():
+                if not side.done:
+                    side.error, side.done = f"{type(error).__name__}: {error}", True
+        raise
+
+
+def _compare(models: DemoModels, method: str, gamma: int, settings: dict, names: list, requests: list) -> None:
+    batched = len(requests) > 1
+    # the id a batch's padding holds (masked: any id would do) and transformers pads the ended rows with
+    pad = next((i for i in (models.tokenizer.pad_token_id, models.tokenizer.eos_token_id) if i is not None), 0)
+    if batched:
+        width = max(r.input_ids.shape[1] for r in requests)
+        input_ids = torch.full((len(requests), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(input_ids)
+        for row, r in enumerate(requests):
+            input_ids[row, width - r.input_ids.shape[1]:], mask[row, width - r.input_ids.shape[1]:] = r.input_ids[0], 1
+        settings = dict(settings, attention_mask=mask.to(models.target.device), pad_token_id=pad)
+    else:
+        input_ids = requests[0].input_ids
+    input_ids = input_ids.to(models.target.device)
+    settings = dict(settings, stopping_criteria=StoppingCriteriaList([_Cancelled(*(r.cancel for r in requests))]))
+    for r in requests:
+        for side in r.sides.values():
+            side.batch = len(requests)
 
     def target_alone():
-        GenerationMixin.generate(models.target, input_ids, streamer=_Streamer(sides["target"], []), **settings)
+        streamers = [_Streamer(r.sides["target"], []) for r in requests]
+        eos = models.target.generation_config.eos_token_id
+        eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        streamer = _BatchStreamer(streamers, eos) if batched else streamers[0]
+        GenerationMixin.generate(models.target, input_ids, streamer=streamer, **settings)
 
     def speculative():
         if method == "transformers' assisted generation":  # its steps are not reported: its text is shown plain
             GenerationMixin.generate(models.target, input_ids, assistant_model=models.draft,
-                                     streamer=_Streamer(sides["method"], []), **settings)
+                                     streamer=_Streamer(requests[0].sides["method"], []), **settings)
             return
-        pending: list = []
+        pending = [[] for _ in requests]
+        streamers = [_Streamer(r.sides["method"], pending[row]) for row, r in enumerate(requests)]
 
-        def on_step(ids, draft, target_scores, accepted):
-            pending.append((draft.tokens[0].tolist(), accepted, draft.stop_reason))
+        def on_step(ids, draft, target_scores, accepted, row=0):
+            pending[row].append((draft.tokens[0].tolist(), accepted, draft.stop_reason))
 
-        out = pacer_generate(models.target, input_ids, assistant_model=models.draft, streamer=_Streamer(sides["method"], pending),
+        out = pacer_generate(models.target, input_ids, assistant_model=models.draft,
+                             streamer=_RowStreamer(streamers) if batched else streamers[0],
                              pacer_step_callback=on_step, return_dict_in_generate=True,
                              **method_arguments(method, gamma, models.head), **settings)
-        sides["method"].rule = out.pacer_stats.policy
+        for r in requests:
+            r.sides["method"].rule = out.pacer_stats.policy
 
     runs = {"target": target_alone, "method": speculative}
-
-    def both():
-        for name in names:
-            if cancel.is_set():
-                sides[name].done = True
-                continue
-            _run(sides[name], runs[name])
-
-    return Comparison(sides, WORKER.submit(both), cancel)
+    for name in names:
+        sides = [r.sides[name] for r in requests]
+        if all(r.cancel.is_set() for r in requests):
+            for side in sides:
+                side.done = True
+            continue
+        _run(sides, runs[name])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -349,6 +486,8 @@ def side_stats(side: Side, reference_rate: float | None) -> str:
     if side.steps:
         tau = len(side.tokens) / len(side.steps)
         text += f" · {len(side.steps)} target forwards · {tau:.2f} tokens per forward"
+    if side.batch > 1:
+        text += f"  \ndecoded together with {side.batch - 1} other request{'s' if side.batch > 2 else ''}, as one batch"
     if side.rule:
         text += f"  \nrule: `{side.rule}`"
     return text
@@ -464,9 +603,10 @@ def build_demo(holder: ModelHolder, refresh_seconds: float = 0.25) -> gr.Blocks:
                            color_map={"accepted": "#4caf50", "rejected": "#e57373"}, elem_id="steps-chart")
         run.click(compare, inputs=[prompt, max_new_tokens, mode, temperature, method, gamma],
                   outputs=[target_text, target_stats, method_text, method_stats, chart, verdict_md], api_name="compare",
-                  concurrency_limit=1)
-    # one generation at a time per worker; at most QUEUE_SIZE requests wait, more are refused at once
-    return demo.queue(default_concurrency_limit=1, max_size=QUEUE_SIZE)
+                  concurrency_limit=MAX_BATCH)
+    # one generation at a time on the worker, which decodes up to MAX_BATCH waiting requests of the same settings
+    # together (so that many handlers wait on it at once); at most QUEUE_SIZE requests wait, more are refused at once
+    return demo.queue(default_concurrency_limit=MAX_BATCH, max_size=QUEUE_SIZE)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -346,3 +346,35 @@ def test_a_prefix_constraint_is_told_each_rows_index():
     for row, prompt in enumerate(prompts):
         alone = target.generate(prompt, max_new_tokens=12, do_sample=False, prefix_allowed_tokens_fn=allowed)
         assert out[row, ids.shape[1]:].tolist() == alone[0, prompt.shape[1]:].tolist()
+
+
+def test_a_row_streamer_and_a_row_callback_see_each_rows_tokens():
+    """A streamer with put_row gets the batch's prompts, then each row's tokens as they come (together its row's
+    output); a step callback that takes `row` is told each row's steps."""
+    target, draft = _exact_pair("llama")
+    prompts, ids, mask = _batch([4, 9, 2], seed=6)
+
+    class Rows:
+        def __init__(self):
+            self.prompts, self.rows, self.ended = None, {}, False
+
+        def put(self, value):
+            self.prompts = value
+
+        def put_row(self, row, value):
+            self.rows.setdefault(row, []).extend(value.tolist())
+
+        def end(self):
+            self.ended = True
+
+    streamer, steps = Rows(), {}
+
+    def on_step(ids, proposal, target_scores, num_accepted, row):
+        steps.setdefault(row, []).append(num_accepted)
+
+    out = target.generate(ids, attention_mask=mask, assistant_model=draft, stopping_policy=FixedLength(3),
+                          max_new_tokens=15, pad_token_id=0, streamer=streamer, pacer_step_callback=on_step)
+    assert streamer.ended and torch.equal(streamer.prompts, ids)
+    for row, prompt in enumerate(prompts):
+        assert streamer.rows[row] == out[row, ids.shape[1]:].tolist()
+        assert len(steps[row]) == len(streamer.rows[row]) - sum(steps[row])  # a step: its accepted tokens + one

@@ -309,7 +309,7 @@ def test_a_batch_step_is_priced_by_its_rows():
     assert batch.rows[0].tokens_besides == pytest.approx(2.7)
     batch.rows[2].stopped()  # row 2 drafts no more: row 0 shares with row 1 alone
     assert batch.rows[0].step(3) == pytest.approx(1.0 + 6.0 + 3.0 + 3 * 0.35)
-    batch.active[1] = False  # row 1 ended: row 0 drafts alone, beside row 2's two verification rows
+    batch.finish(1)  # row 1 ended: row 0 drafts alone, beside row 2's two verification rows
     assert batch.rows[0].step(3) == pytest.approx(3.0 + 3.0 + 3 * 0.5) and batch.rows[0].tokens_besides == pytest.approx(1.2)
     batch.rows[0].report(3, 2.0, head_calls=2)
     assert batch.rows[2].step(1, free=1) == pytest.approx(3 * 0.5 + 6.0 + 2 * 0.1)  # no longer than it is: as it stands

@@ -248,3 +248,39 @@ def test_space_measurement_on_tiny_models():
     report = measure_space(models, PROMPT, max_new_tokens=24, rounds=2, log=lambda line: None)
     assert all(len(values) == 2 and all(v > 0 for v in values) for values in report["samples"].values())
     assert report["space_over_outside"] > 0 and report["medians"]["space: speedup shown"] > 0
+
+
+def test_waiting_requests_of_the_same_settings_are_decoded_together():
+    """Requests that wait for the worker with the same method and settings run as one batch (each side one batched
+    call): every visitor's two sides are its own greedy output, the same as its request alone, its page says it ran
+    with the others; a request of other settings waits for a call of its own."""
+    import threading
+
+    import torch
+    from transformers import GenerationMixin
+
+    from modeling_pacer import make_exact
+    from modeling_pacer.demo import WORKER, side_stats, start_comparison
+
+    target, draft = make_pair("llama", "llama", "noisy")
+    make_exact(target)  # each row of a batch bitwise the row alone
+    tokenizer = word_tokenizer()
+    tokenizer.pad_token = "[0]"
+    models = DemoModels(target, draft, tokenizer, make_head(draft, max_draft_length=16), "tiny")
+    release = threading.Event()
+    WORKER.submit(lambda payloads: release.wait(30))  # the worker busy: the requests below wait together
+    prompts = [torch.tensor([[5, 17, 42]]), torch.tensor([[8, 91, 33, 2, 7, 64]]), torch.tensor([[11, 12]])]
+    settings = dict(max_new_tokens=20, do_sample=False)
+    together = [start_comparison(models, ids, "PACER", 2, settings) for ids in prompts]
+    apart = start_comparison(models, prompts[0], "fixed γ", 3, settings)
+    release.set()
+    for comparison in [*together, apart]:
+        assert comparison.done.wait(120)
+    for ids, comparison in zip(prompts, together):
+        alone = GenerationMixin.generate(target, ids, max_new_tokens=20, do_sample=False)[0, ids.shape[1]:].tolist()
+        sides = comparison.sides
+        assert sides["method"].tokens == sides["target"].tokens == alone and sides["method"].error is None
+        assert sides["method"].batch == sides["target"].batch == 3
+        assert "decoded together with 2 other requests, as one batch" in side_stats(sides["method"], 1.0)
+        assert sum(s["accepted"] + 1 for s in sides["method"].steps) >= len(alone)  # each step's drafts, its own
+    assert apart.sides["method"].batch == 1 and apart.sides["method"].tokens == together[0].sides["target"].tokens

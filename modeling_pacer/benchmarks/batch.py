@@ -107,9 +107,11 @@ def run_batches(pair, head, prompts, batch_sizes, methods, max_new_tokens: int, 
     records = []
     for b in batch_sizes:
         groups = [prompts[i:i + b] for i in range(0, len(prompts), b)]
-        for method in methods:  # warm-up (excluded): a batch of B, a few tokens; measures a batch's cost curve
-            ids, mask = left_padded([p for _, _, p in groups[0]], pad)
-            run_batch_method(method, pair, head, ids, mask, min(8, max_new_tokens), pad)
+        # warm-up (excluded): a batch of B and the last, smaller one, a few tokens; measures the batches' cost curves
+        for group in {len(g): g for g in (groups[0], groups[-1])}.values():
+            ids, mask = left_padded([p for _, _, p in group], pad)
+            for method in methods:
+                run_batch_method(method, pair, head, ids, mask, min(8, max_new_tokens), pad)
         for g, group in enumerate(groups):
             ids, mask = left_padded([p for _, _, p in group], pad)
             names = [f"{d}/{p}" for d, p, _ in group]

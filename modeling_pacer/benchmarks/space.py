@@ -80,7 +80,7 @@ def measure_space(models, prompt: str, *, max_new_tokens: int = 128, rounds: int
     try:
         for round_ in range(rounds + 1):
             rates = {"outside": outside(), "outside, thread + streamer": streamed(on_new_thread),
-                     "outside, long-lived thread + streamer": streamed(lambda run: worker.submit(run).wait())}
+                     "outside, long-lived thread + streamer": streamed(lambda run: worker.submit(lambda jobs: run()).wait())}
             _, target_stats, _, method_stats, _, _ = client.predict(
                 prompt, max_new_tokens, "greedy", 0.7, method, 3, api_name="/compare")
             rates["space: target alone"] = _rate(target_stats)

@@ -44,11 +44,19 @@ class CostModel:
 
     def target(self, num_tokens: int) -> float:
         """A target forward of `num_tokens` rows (between measured sizes: linear; past them: proportional)."""
-        return _curve(self.target_forward, num_tokens)
+        return self._read("target", self.target_forward, num_tokens)
 
     def draft(self, rows: int = 1) -> float:
         """A draft forward of one token for each of `rows` sequences (unmeasured sizes: as [`target`])."""
-        return _curve({1: self.draft_forward, **self.draft_rows}, rows) if rows > 1 else self.draft_forward
+        return self._read("draft", {1: self.draft_forward, **self.draft_rows}, rows) if rows > 1 else self.draft_forward
+
+    def _read(self, curve: str, points: dict[int, float], n: int) -> float:
+        """[`_curve`], each size read once (a batch's rule reads the curves many times a step)."""
+        memo = self.__dict__.setdefault("_memo", {})
+        key = (curve, n)
+        if key not in memo:
+            memo[key] = _curve(points, n)
+        return memo[key]
 
     def step(self, drafted: int, head_calls: int = 0, free: int = 0) -> float:
         """A step that drafts `drafted` tokens, `free` of them looked up (no draft forward), and verifies them."""
@@ -102,6 +110,9 @@ class BatchCosts:
         self.tokens = [1.0] * batch  # a row that drafts nothing still gets the target's own token
         self.alive = list(self.active)
         self.probed = False
+        self.prober = None  # the row drafting this step to measure what a drafting step gives (`probe`)
+        self.could_pay = None  # whether a draft the target accepted whole could pay this step (`could_pay`)
+        self._now = None
         self.since_probe += 1
         # decayed a step: a half-life of about 14 steps, as a row's own count
         self.steps, self.yielded, self.lengths = 0.95 * self.steps, 0.95 * self.yielded, 0.95 * self.lengths
@@ -109,8 +120,18 @@ class BatchCosts:
     def _forwards(self, row: int) -> int:
         return self.drafted[row] - self.free[row]
 
+    def finish(self, row: int) -> None:
+        """Row `row` has ended: it counts for nothing from now on."""
+        self.active[row] = self.alive[row] = False
+        self._now = None
+
     def now(self) -> float:
         """The step's seconds with every active row where it stands."""
+        if self._now is None:
+            self._now = self._price_now()
+        return self._now
+
+    def _price_now(self) -> float:
         rows = [r for r in range(len(self.active)) if self.active[r]]
         forwards = [self._forwards(r) for r in rows]
         drafting = sum(self.costs.draft(sum(n >= s for n in forwards)) for s in range(1, max(forwards, default=0) + 1))
@@ -128,11 +149,13 @@ class BatchCosts:
             return now
         rows = [r for r in range(len(self.active)) if self.active[r]]
         total = sum(self.drafted[r] + 1 for r in rows)
-        along = 1 + sum(1 for o in rows if o != row and self.alive[o])
+        # a probe measures what a drafting step gives a batch whose every row drafts: it is priced as one of them
+        probe = row == self.prober
+        along = len(rows) if probe else 1 + sum(1 for o in rows if o != row and self.alive[o])
         verify = (self.costs.target(total + along * extra) - self.costs.target(total)) / along
         share = 0.0
         for s in range(self._forwards(row) + 1, drafted - free + 1):
-            n = 1 + sum(1 for o in rows if o != row and (self.alive[o] or self._forwards(o) >= s))
+            n = len(rows) if probe else 1 + sum(1 for o in rows if o != row and (self.alive[o] or self._forwards(o) >= s))
             share += self.costs.draft(n) / n
         if drafted > free and not self.read_prompt[row]:  # its draft reads the sequence first: this step's share
             share += self.unread[row] * self.costs.draft_prompt * min(1.0, (drafted + 1) / self.remaining[row])
@@ -163,6 +186,7 @@ class RowCosts:
     def report(self, drafted: int, tokens: float, free: int = 0, head_calls: int = 0, stopped: bool = False) -> None:
         b = self.batch
         b.drafted[self.row], b.tokens[self.row], b.free[self.row], b.head_calls[self.row] = drafted, tokens, free, head_calls
+        b._now = None
         if drafted > free:
             b.read_prompt[self.row] = True
         if stopped:
@@ -193,13 +217,21 @@ class RowCosts:
             return False
         if not b.read_prompt[self.row] and any(read and on for read, on in zip(b.read_prompt, b.active)):
             return False
-        b.probed, b.since_probe = True, 0
+        b.probed, b.since_probe, b.prober = True, 0, self.row
         b.backoff = b.backoff * 2 if b.observed else 1
         return True
 
     def pays(self) -> None:
         """Drafting pays at what the batch has measured: probes start over at `every` steps."""
         self.batch.backoff = 1
+
+    def could_pay(self, judge) -> bool:
+        """`judge()` (whether a draft the target accepted whole could pay, at some length), asked once a step: the
+        first row to ask judges it, with the batch as it stands then, for all."""
+        b = self.batch
+        if b.could_pay is None:
+            b.could_pay = judge()
+        return b.could_pay
 
     def target(self, num_tokens: int) -> float:
         return self.batch.costs.target(num_tokens)

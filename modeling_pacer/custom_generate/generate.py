@@ -649,12 +649,14 @@ def _check_batch(model, draft_model, generation_config, batch: int, streamer, st
     """What a call of several sequences cannot do, refused before any work."""
     if batch == 1:
         return
-    if streamer is not None:
+    if streamer is not None and not callable(getattr(streamer, "put_row", None)):
         raise ValueError(f"A streamer takes one sequence (transformers' streamers print one row); this call decodes "
-                         f"{batch}: stream one sequence a call, or pass no streamer.")
-    if step_callback is not None:
+                         f"{batch}: stream one sequence a call, pass no streamer, or a row streamer (one with "
+                         "`put_row(row, tokens)`, which gets the batch's prompts by `put` first, then each row's "
+                         "tokens as they come).")
+    if step_callback is not None and "row" not in inspect.signature(step_callback).parameters:
         raise ValueError(f"pacer_step_callback sees one sequence's steps; this call decodes {batch}: record one "
-                         "sequence a call.")
+                         "sequence a call, or take the row's index as a keyword `row`.")
     if _static_mode(model, draft_model, generation_config):
         raise ValueError(f"PACER decodes a batch ({batch} sequences) over its own cache of each sequence at its own "
                          "length, not a static cache or a captured model's: decode one sequence a call there, or leave "
@@ -779,6 +781,12 @@ def _host_costs(model, draft_model, head, max_tokens: int, rows: int = 1):
     return _MEASURED[key]
 
 
+def _curve_rows(batch: int) -> int:
+    """The batch size a batch's cost curve is measured for: the next power of two (a curve for more rows prices fewer
+    just as well), so that batches of nearby sizes share one measurement."""
+    return 1 << (batch - 1).bit_length()
+
+
 def _cost_aware(policy) -> bool:
     """A rule that prices its steps with a cost model (the cost-aware rule, or one like it)."""
     costs = getattr(policy, "costs", None)
@@ -898,8 +906,9 @@ def pacer_decoding(
 
     `pacer_step_callback(ids, proposal, target_scores, num_accepted)`, if given, sees every step before
     its tokens are emitted (`ids` `(1, L)` the sequence so far, `proposal` a [`Proposal`] with hidden states
-    kept, `target_scores` `(1, k + 1, vocab)`): this is how training data is recorded from real decoding (one
-    sequence a call).
+    kept, `target_scores` `(1, k + 1, vocab)`): this is how training data is recorded from real decoding. In a batch
+    it is told the row too (`row=`, a keyword it must take), and a streamer must be a row streamer
+    (`put_row(row, tokens)`: the batch's prompts come by `put` first, then each row's tokens by `put_row`).
 
     A `stopping_policy` instance is copied at the start of the call and each row's copy adapts (`reset`, `update`),
     so the instance passed is never modified and one instance can serve concurrent calls; the copies, in their final
@@ -920,7 +929,7 @@ def pacer_decoding(
         # the head's default rule follows the mode: its config may name another rule for sampled decoding
         measured_here = _cost_inputs(stopping_policy, pacer_head, do_sample) if pacer_costs is None else None
         if measured_here:
-            pacer_costs = _host_costs(model, draft_model, *measured_here, rows=batch)
+            pacer_costs = _host_costs(model, draft_model, *measured_here, rows=_curve_rows(batch))
         policy = make_policy(stopping_policy, head_config, pacer_costs, do_sample)
         _check_policy(policy, pacer_head)
         # in a batch, a cost-aware rule prices the batch's step: each row's copy reads its view of it
@@ -989,7 +998,8 @@ def pacer_decoding(
                     if row.lookup is not None:
                         row.lookup.update(proposal.match, proposal.free, k, num_accepted)
                 if pacer_step_callback is not None:
-                    pacer_step_callback(row.ids, proposal, target_scores, num_accepted)
+                    extra = {"row": row.index} if batch > 1 else {}  # a batch's callback takes the row (`_check_batch`)
+                    pacer_step_callback(row.ids, proposal, target_scores, num_accepted, **extra)
 
                 emitted = 0
                 for i in range(new_tokens.shape[1]):
@@ -1005,7 +1015,10 @@ def pacer_decoding(
                 stats.steps.append(DecodeStep(drafted=k, accepted=num_accepted, emitted=emitted,
                                               stop_reason=proposal.stop_reason, free=proposal.free, row=row.index))
                 if pacer_streamer is not None:
-                    pacer_streamer.put(row.ids[0, -emitted:].cpu())
+                    if batch > 1:  # a row streamer (`_check_batch`): each row's tokens as they come
+                        pacer_streamer.put_row(row.index, row.ids[0, -emitted:].cpu())
+                    else:
+                        pacer_streamer.put(row.ids[0, -emitted:].cpu())
 
                 # roll the caches back to the accepted prefix: the target holds all of the row's ids but the last
                 # token, the draft whatever of that it has actually seen (it never fed its own last draft token)
@@ -1014,7 +1027,9 @@ def pacer_decoding(
             prefill = False
             active = [row for row in active if not row.finished]
             if batch_costs is not None:
-                batch_costs.active = [not row.finished for row in rows]
+                for row in rows:
+                    if row.finished:
+                        batch_costs.finish(row.index)
 
         if pacer_streamer is not None:
             pacer_streamer.end()

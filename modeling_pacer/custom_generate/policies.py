@@ -437,8 +437,9 @@ class ExpectedThroughput(StoppingPolicy):
                 self.costs.pays()
                 return self.max_draft_length
         # probe only where a draft could pay at all: one the target accepted whole, at some length
-        could_pay = any((besides + k + 1.0) / self.costs.step(k, self._head_calls(k)) > plain
-                        for k in range(1, self.max_draft_length + 1))
+        could_pay = self.costs.could_pay(lambda: any(
+            (besides + k + 1.0) / self.costs.step(k, self._head_calls(k)) > plain
+            for k in range(1, self.max_draft_length + 1)))
         if could_pay and self.costs.probe(self.probe_every):
             return self.max_draft_length
         self._report(0, 1.0, stopped=True)
