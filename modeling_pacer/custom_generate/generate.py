@@ -1,10 +1,12 @@
 """Speculative decoding with an adaptive draft length, as a `generate` strategy for transformers.
 
-One loop serves every stopping policy (`policies.py` beside this file): per decode step it
+One loop serves every stopping policy (`policies.py` beside this file) and every batch (a single sequence is a
+batch of one row, [`Row`]): per decode step, for each row still going, it
 
-1. **proposes**: the draft extends the sequence token by token until the policy says stop;
-2. **verifies**: the target scores `[last token, d_1..d_k]` in one forward, giving k + 1
-   next-token distributions;
+1. **proposes**: the draft extends the sequence token by token until the row's policy says stop (the rows still
+   drafting share each draft forward);
+2. **verifies**: the target scores `[last token, d_1..d_k]` in one forward (every row's in the same one, packed:
+   `rows.py`), giving k + 1 next-token distributions;
 3. **accepts**: greedy keeps the longest prefix on which the target's argmax agrees and adds the
    target's own token; sampling uses rejection sampling (accept d_i with min(1, p/q), else resample
    from norm(max(0, p - q)), or a bonus token from p_{k+1}), so the output distribution is exactly
@@ -12,7 +14,7 @@ One loop serves every stopping policy (`policies.py` beside this file): per deco
 4. **updates**: the new tokens are emitted one by one through the stopping criteria (EOS, max
    length, stop strings, ...) and the streamer, and both KV caches are cropped to the accepted prefix.
 
-This folder is published as is as a `custom_generate` repo: its files (this one, `policies.py`, `steps.py`,
+This folder is published as is as a `custom_generate` repo: its files (this one, `policies.py`, `steps.py`, `rows.py`,
 `costs.py`, `lookup.py`, `processing.py`) import only torch, transformers and each other. `generate()` below is the entry point transformers calls for such a repo, and what
 `modeling_pacer.enable_pacer(model)` binds as `model.generate`.
 """
