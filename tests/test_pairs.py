@@ -395,7 +395,7 @@ def test_bench_costs_command_measures_each_dtype_once_and_plots(tiny_folder, tmp
     monkeypatch.setenv("PACER_CACHE", str(tmp_path / "cache"))
     calls = []
     real = costs_module.measure_costs
-    monkeypatch.setattr(costs_module, "measure_costs", lambda *a: calls.append(a) or real(*a[:5], 1))  # one repeat
+    monkeypatch.setattr(costs_module, "measure_costs", lambda *a, **k: calls.append(a) or real(*a[:5], 1, **k))  # one repeat
     argv = ["costs", "--target", str(tiny_folder), "--draft", str(tiny_folder), "--dtypes", "float32", "bfloat16",
             "--compare-exact", "--max-tokens", "3", "--out", str(tmp_path / "out")]
     assert main(argv) == 0
@@ -469,7 +469,7 @@ def test_costs_repeat_reports_each_fresh_curve(tiny_folder, tmp_path, monkeypatc
     fresh = []
 
     measured = costs_module.measure_costs
-    monkeypatch.setattr(costs_module, "measure_costs", lambda *a: fresh.append(a) or measured(*a[:5], 1))
+    monkeypatch.setattr(costs_module, "measure_costs", lambda *a, **k: fresh.append(a) or measured(*a[:5], 1, **k))
     argv = ["costs", "--target", str(tiny_folder), "--draft", str(tiny_folder), "--dtypes", "float32",
             "--max-tokens", "8", "--repeat", "3", "--out", str(tmp_path / "out")]
     assert main(argv) == 0
