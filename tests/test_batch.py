@@ -271,7 +271,7 @@ def test_sampled_rows_follow_the_targets_distribution_independently():
 
 def test_what_a_batch_cannot_do_is_refused_before_any_work(monkeypatch):
     """A streamer (transformers' take one row), a step callback, a static cache, no pad_token_id, an attention
-    implementation a packed call cannot mask: clear errors, no forward run."""
+    implementation a packed call cannot mask, a target padded to a fixed row shape: clear errors, no forward run."""
     target, draft = _exact_pair("llama")
     _, ids, mask = _batch([3, 5])
     for name in ("model_forward", "rows_forward"):
@@ -289,6 +289,11 @@ def test_what_a_batch_cannot_do_is_refused_before_any_work(monkeypatch):
     with pytest.raises(ValueError, match="flash_attention_2"):
         target.generate(ids, attention_mask=mask, assistant_model=other, stopping_policy="fixed", max_new_tokens=4,
                         pad_token_id=0)
+    from modeling_pacer.gpu.fixed_rows import fixed_rows
+
+    padded = fixed_rows(enable_pacer(make_model("llama", seed=3)), 8)  # a GPU's exact way: every call one fixed shape
+    with pytest.raises(ValueError, match="fixed number of rows"):
+        padded.generate(ids, **base, pad_token_id=0)
 
 
 @pytest.mark.skipif(not __import__("modeling_pacer.cpu.kernels", fromlist=["available"]).available(),

@@ -672,7 +672,8 @@ def test_batch_throughput_runs_every_method_on_each_batch_and_checks_every_row(t
     target alone's output, the summary counts rows, tokens and seconds per batch size and pairs each method with
     target-packed per group."""
     from modeling_pacer import make_exact
-    from modeling_pacer.benchmarks.batch import BATCH_METHODS, batch_table, left_padded, run_batches, summarize_batches
+    from modeling_pacer.benchmarks.batch import (DEFAULT_BATCH_METHODS, batch_table, left_padded, run_batches,
+                                                 summarize_batches)
     from conftest import word_tokenizer
 
     target, draft = make_pair("llama", "llama", "noisy")
@@ -685,7 +686,7 @@ def test_batch_throughput_runs_every_method_on_each_batch_and_checks_every_row(t
     ids, mask = left_padded([p for _, _, p in prompts[:2]], 0)
     assert ids.shape == (2, 5) and mask.tolist() == [[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]
     pair = SimpleNamespace(target=target, draft=draft, tokenizer=tokenizer)
-    records, references = run_batches(pair, head, prompts, [1, 2, 4], list(BATCH_METHODS), 12)
+    records, references = run_batches(pair, head, prompts, [1, 2, 4], list(DEFAULT_BATCH_METHODS), 12)
     assert len(references) == 5 and all(len(r) == 12 for r in references.values())
     # groups: 5 of one, 3 of two (the last one row), 2 of four (the last one row); every method on each
     assert len(records) == (5 + 3 + 2) * 3
@@ -694,7 +695,7 @@ def test_batch_throughput_runs_every_method_on_each_batch_and_checks_every_row(t
         if r.method != "target":
             assert all(r.matches_target), (r.method, r.batch_size, r.group)
     rows = summarize_batches([r.to_dict() for r in records])
-    assert [(r["batch_size"], r["method"]) for r in rows] == [(b, m) for b in (1, 2, 4) for m in BATCH_METHODS]
+    assert [(r["batch_size"], r["method"]) for r in rows] == [(b, m) for b in (1, 2, 4) for m in DEFAULT_BATCH_METHODS]
     for row in rows:
         assert row["sequences"] == 5 and row["new_tokens"] == 60 and row["tokens_per_second"] > 0
         assert ("vs_packed" in row) == (row["method"] != "target-packed")

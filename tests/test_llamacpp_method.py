@@ -287,3 +287,78 @@ def test_real_prompt_lookup_run_on_the_default_target():
     finally:
         plain.close()
         lookup.close()
+
+
+class FakeBatchedRunner:
+    """A batched runner standing in for llama.cpp: each row the target alone's greedy tokens, the last one changed
+    (its own numerics); records the calls and that it was closed."""
+
+    def __init__(self, target, sequences):
+        self.target, self.sequences, self.calls, self.closed = target, sequences, [], False
+
+    def generate_rows(self, prompts, max_new_tokens):
+        self.calls.append([len(p) for p in prompts])
+        assert len(prompts) <= self.sequences
+        rows = []
+        for p in prompts:
+            ids = torch.tensor([p])
+            new = target_generate(self.target, ids, max_new_tokens)[0, ids.shape[1]:].tolist()
+            rows.append(new[:-1] + [(new[-1] + 1) % VOCAB])
+        return rows
+
+    def close(self):
+        self.closed = True
+
+
+def test_batch_bench_llama_cpp_rows_batched_with_their_own_numerics(pair, fake_llama_cpp, monkeypatch):
+    """`pacer-bench batch --methods ... llama.cpp`: one batched runner a batch size (that many sequences, closed after
+    it), every group's prompts given without their padding, its rows reported against the target alone with their
+    own numerics: counted, not a failure of the run."""
+    from modeling_pacer.benchmarks import batch
+    from conftest import word_tokenizer
+
+    built = []
+
+    def for_pair(cls, pair_, prompts, max_new_tokens, pacer_cache=None, lookup=0, sequences=None):
+        built.append(FakeBatchedRunner(pair_.target, sequences))
+        return built[-1]
+
+    monkeypatch.setattr(llamacpp.LlamaCppRunner, "for_pair", classmethod(for_pair))
+    tokenizer = word_tokenizer()
+    tokenizer.pad_token = "[0]"
+    g = torch.Generator().manual_seed(1)
+    prompts = [("toy", str(i), torch.randint(1, VOCAB, (1, 2 + 3 * i), generator=g)) for i in range(3)]
+    bench_pair = types.SimpleNamespace(target=pair.target, draft=pair.draft, tokenizer=tokenizer)
+    records, references = batch.run_batches(bench_pair, None, prompts, [1, 2], ["target", "llama.cpp"], 6)
+    assert [r.sequences for r in built] == [1, 2] and all(r.closed for r in built)
+    # B = 2: the warm-up's two groups (2 rows, then the last, 1 row), then the groups; each prompt without padding
+    assert built[1].calls == [[2, 5], [8], [2, 5], [8]]
+    ours = [r for r in records if r.method == "llama.cpp"]
+    assert len(ours) == 3 + 2 and all(not any(r.matches_target) for r in ours)
+    assert all(a == 5 for r in ours for a in r.agree_prefix) and all(n == 6 for r in ours for n in r.new_tokens)
+    rows = batch.summarize_batches([r.to_dict() for r in records])
+    assert [r["method"] for r in rows] == ["target", "llama.cpp"] * 2 and "llama.cpp" in batch.OWN_NUMERICS
+
+
+@pytest.mark.skipif(not REAL_GGUF.is_file(), reason=f"the default pair's GGUF is not at {REAL_GGUF}")
+def test_real_batched_run_on_the_default_target():
+    """llama.cpp's batched decoding (every row's step in one llama_decode): each row ends on its own, a request is
+    decoded from an empty cache (the same request twice gives the same rows), a row's length and EOS as the single
+    runner's rules say (whether a row's bits depend on its neighbours is llama.cpp's kernels' choice: not asserted)."""
+    pytest.importorskip("llama_cpp")
+    eos = [151645, 151643]
+    engine = llamacpp.LlamaCppRunner(REAL_GGUF, n_ctx=64, eos_token_id=eos, n_threads=1, sequences=3)
+    try:
+        prompts = [[750, 75698, 1445, 1648], [87, 284, 220, 16], [750]]
+        rows = engine.generate_rows(prompts, 8)
+        assert len(rows) == 3
+        for row in rows:
+            assert 0 < len(row) <= 8 and (len(row) == 8 or row[-1] in eos) and not set(row[:-1]) & set(eos)
+        assert engine.generate_rows(prompts, 8) == rows
+        assert len(engine.generate_rows(prompts[:1], 3)[0]) <= 3  # fewer rows than sequences
+        with pytest.raises(ValueError, match="decodes 3 sequences together; got 4"):
+            engine.generate_rows(prompts + prompts[:1], 4)
+        with pytest.raises(ValueError, match="decodes by generate_rows"):
+            engine.generate(torch.tensor([prompts[0]]), 4)
+    finally:
+        engine.close()

@@ -9,10 +9,14 @@ is its own output whatever its neighbours); transformers' batched `generate` is 
 
 Methods: `target` (transformers' batched greedy `generate` over the target), `target-packed` (the target alone through
 pacer's loop drafting nothing: each row's step packed into one call of pacer's exact kernels), `pacer` (the head's
-default rule, its cost-aware rule pricing the batch's calls by their rows)."""
+default rule, its cost-aware rule pricing the batch's calls by their rows), `llama.cpp` (opt-in: the target's GGUF
+decoded by llama.cpp as its server decodes parallel slots, every row's step in one `llama_decode`, in a process of its
+own: [`LlamaCppRunner.generate_rows`]; its own numerics, so its rows are reported against the target alone, as
+transformers' batched rows are, not required to match)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
@@ -24,8 +28,10 @@ from ..custom_generate.generate import generate
 from ..custom_generate.policies import FixedLength
 from .report import speedup_interval
 
-BATCH_METHODS = ("target", "target-packed", "pacer")
+BATCH_METHODS = ("target", "target-packed", "pacer", "llama.cpp")
+DEFAULT_BATCH_METHODS = BATCH_METHODS[:3]
 BASELINE = "target-packed"
+OWN_NUMERICS = ("target", "llama.cpp")  # methods whose rows need not be the target alone's (reported, not required)
 
 
 @dataclass
@@ -59,10 +65,15 @@ def left_padded(prompts: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, to
     return ids, mask
 
 
-def run_batch_method(method: str, pair, head, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, pad: int):
-    """One batched greedy call of `method`. Returns `(new tokens per row (each without the padding after its end),
-    PacerStats or None)`."""
+def run_batch_method(method: str, pair, head, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, pad: int,
+                     llamacpp=None):
+    """One batched greedy call of `method` (`llamacpp`: the batched [`LlamaCppRunner`] of the llama.cpp method).
+    Returns `(new tokens per row (each without the padding after its end), PacerStats or None)`."""
     settings = dict(attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+    if method == "llama.cpp":
+        rows = llamacpp.generate_rows([ids[row][mask[row].bool()].tolist() for row in range(ids.shape[0])],
+                                      max_new_tokens)
+        return [torch.tensor(r, dtype=torch.long) for r in rows], None
     if method == "target":
         out, stats = GenerationMixin.generate(pair.target, ids, **settings), None
     else:
@@ -106,32 +117,48 @@ def run_batches(pair, head, prompts, batch_sizes, methods, max_new_tokens: int, 
             progress.update(1)
     records = []
     for b in batch_sizes:
-        groups = [prompts[i:i + b] for i in range(0, len(prompts), b)]
-        # warm-up (excluded): a batch of B and the last, smaller one, a few tokens; measures the batches' cost curves
-        for group in {len(g): g for g in (groups[0], groups[-1])}.values():
-            ids, mask = left_padded([p for _, _, p in group], pad)
-            for method in methods:
-                run_batch_method(method, pair, head, ids, mask, min(8, max_new_tokens), pad)
-        for g, group in enumerate(groups):
-            ids, mask = left_padded([p for _, _, p in group], pad)
-            names = [f"{d}/{p}" for d, p, _ in group]
-            for method in methods[g % len(methods):] + methods[:g % len(methods)]:
-                start = time.perf_counter()
-                rows, stats = run_batch_method(method, pair, head, ids, mask, max_new_tokens, pad)
-                seconds = time.perf_counter() - start
-                got = [_trim(r, pad, references[n]) for r, n in zip(rows, names)]
-                agree = [next((i for i, (x, y) in enumerate(zip(row, references[n])) if x != y),
-                              min(len(row), len(references[n]))) for row, n in zip(got, names)]
-                records.append(BatchRecord(
-                    b, g, method, seconds, names, [len(r) for r in got],
-                    [row == references[n] for row, n in zip(got, names)], agree,
-                    target_forwards=stats.target_forwards if stats else None,
-                    draft_forwards=stats.draft_forwards if stats else None,
-                    prefill_seconds=stats.prefill_time if stats else None,
-                    draft_lengths=[s.drafted for s in stats.steps if s.stop_reason != "prefill"] if stats else []))
-                if progress is not None:
-                    progress.update(1)
+        with contextlib.ExitStack() as stack:
+            llamacpp = None
+            if "llama.cpp" in methods:  # a process of its own for each B, b sequences of the longest prompt's context
+                from .llamacpp import LlamaCppRunner
+
+                llamacpp = LlamaCppRunner.for_pair(pair, prompts, max_new_tokens, sequences=b)
+                stack.callback(llamacpp.close)
+            records += _run_batch_size(pair, head, prompts, b, methods, max_new_tokens, pad, references, llamacpp,
+                                       progress)
     return records, references
+
+
+def _run_batch_size(pair, head, prompts, b: int, methods, max_new_tokens: int, pad: int, references, llamacpp,
+                    progress) -> list[BatchRecord]:
+    """[`run_batches`] at one batch size."""
+    records = []
+    groups = [prompts[i:i + b] for i in range(0, len(prompts), b)]
+    # warm-up (excluded): a batch of B and the last, smaller one, a few tokens; measures the batches' cost curves
+    for group in {len(g): g for g in (groups[0], groups[-1])}.values():
+        ids, mask = left_padded([p for _, _, p in group], pad)
+        for method in methods:
+            run_batch_method(method, pair, head, ids, mask, min(8, max_new_tokens), pad, llamacpp)
+    for g, group in enumerate(groups):
+        ids, mask = left_padded([p for _, _, p in group], pad)
+        names = [f"{d}/{p}" for d, p, _ in group]
+        for method in methods[g % len(methods):] + methods[:g % len(methods)]:
+            start = time.perf_counter()
+            rows, stats = run_batch_method(method, pair, head, ids, mask, max_new_tokens, pad, llamacpp)
+            seconds = time.perf_counter() - start
+            got = [_trim(r, pad, references[n]) for r, n in zip(rows, names)]
+            agree = [next((i for i, (x, y) in enumerate(zip(row, references[n])) if x != y),
+                          min(len(row), len(references[n]))) for row, n in zip(got, names)]
+            records.append(BatchRecord(
+                b, g, method, seconds, names, [len(r) for r in got],
+                [row == references[n] for row, n in zip(got, names)], agree,
+                target_forwards=stats.target_forwards if stats else None,
+                draft_forwards=stats.draft_forwards if stats else None,
+                prefill_seconds=stats.prefill_time if stats else None,
+                draft_lengths=[s.drafted for s in stats.steps if s.stop_reason != "prefill"] if stats else []))
+            if progress is not None:
+                progress.update(1)
+    return records
 
 
 def summarize_batches(records: list[dict]) -> list[dict]:

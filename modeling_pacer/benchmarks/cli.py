@@ -256,14 +256,15 @@ def build_parser() -> argparse.ArgumentParser:
     rows.add_argument("--threads", type=_positive, help="torch CPU threads (default: torch's choice)")
     _add_output(rows, "kernel-rows-out")
 
-    from .batch import BATCH_METHODS
+    from .batch import BATCH_METHODS, DEFAULT_BATCH_METHODS
 
     batch = sub.add_parser("batch", help="throughput at several batch sizes: the prompts decoded B at a time (left-padded "
                            "batches), every method on each batch, interleaved; tokens per second of all rows, the "
                            "latency a sequence sees, every row checked against the target alone")
     add_pair_arguments(batch)
     batch.add_argument("--head", help="the PacerHead whose default rule the pacer method runs (default: the pair's)")
-    batch.add_argument("--methods", nargs="+", choices=BATCH_METHODS, default=list(BATCH_METHODS))
+    batch.add_argument("--methods", nargs="+", choices=BATCH_METHODS, default=list(DEFAULT_BATCH_METHODS),
+                       help="default: every method but llama.cpp (opt-in: the llamacpp extra, the target's GGUF)")
     batch.add_argument("--batch-sizes", nargs="+", type=_positive, default=[1, 2, 4, 8], metavar="B")
     batch.add_argument("--datasets", nargs="+", choices=DATASETS, default=list(DATASETS))
     batch.add_argument("--n", type=_positive, default=10, help="prompts per dataset (the first n)")
@@ -376,6 +377,11 @@ def validate(args) -> None:
             prompt_file(dataset)
         if len(set(args.methods)) != len(args.methods):
             raise ValueError(f"--methods {' '.join(args.methods)}: a method named twice")
+        if "llama.cpp" in args.methods:  # the library and the target's GGUF file, found before a model loads
+            from .llamacpp import check_target_args, require_llama_cpp
+
+            require_llama_cpp()
+            check_target_args(args)
     if args.command == "run":
         if {"llama.cpp", "llama.cpp-lookup"} & {m.name for m in chosen}:  # the target's GGUF file, found before a model loads
             from .llamacpp import check_target_args
@@ -954,7 +960,7 @@ def run_batch(args) -> dict:
     from modeling_pacer.pairs import pair_from_args
     from modeling_pacer.resources import write_json
 
-    from .batch import batch_table, run_batches, summarize_batches
+    from .batch import OWN_NUMERICS, batch_table, run_batches, summarize_batches
 
     head = _setup(args)
     if "pacer" in args.methods and head is None:
@@ -975,7 +981,7 @@ def run_batch(args) -> dict:
     write_json(out / "batch.json", dict(meta=meta, records=[r.to_dict() for r in records], summary=rows,
                                         references=references))
     (out / "batch.md").write_text(table)
-    lost = [r for r in rows if r["method"] != "target" and r["matches"] < r["sequences"]]
+    lost = [r for r in rows if r["method"] not in OWN_NUMERICS and r["matches"] < r["sequences"]]
     result = dict(table=table, files=[out / "batch.json", out / "batch.md"], summary=rows)
     if lost:
         result["summary"] = [dict(r, dataset="all", mismatches=r["sequences"] - r["matches"]) for r in lost]

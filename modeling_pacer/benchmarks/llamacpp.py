@@ -125,6 +125,63 @@ def _serve(connection, model_path: str, n_ctx: int, n_threads: int, lookup: int 
         connection.send(("tokens", new))
 
 
+def _serve_batched(connection, model_path: str, n_ctx: int, n_threads: int, sequences: int) -> None:
+    """The child process of a batched runner: llama.cpp's batched decoding as its server decodes parallel slots (and
+    its `batched` and `parallel` examples): one context of `sequences` sequences, each `n_ctx` positions of the KV
+    cache (llama.cpp's default, not unified); a request's prompts read in one `llama_decode` (each row its own
+    sequence id and positions), then every unfinished row's next token in one `llama_decode` a step, greedy (the
+    argmax of the row's logits, as llama.cpp's greedy sampler takes)."""
+    import logging
+
+    import numpy as np
+
+    llama_cpp = require_llama_cpp()
+    logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # llama.cpp's load log, as Llama(verbose=False)
+    llama_cpp.llama_backend_init()
+    model = llama_cpp.llama_model_load_from_file(model_path.encode(), llama_cpp.llama_model_default_params())
+    if not model:
+        raise RuntimeError(f"llama.cpp could not load {model_path}")
+    params = llama_cpp.llama_context_default_params()
+    params.n_ctx = params.n_batch = n_ctx * sequences  # every row's whole prompt in one call
+    params.n_seq_max = sequences
+    params.n_threads = params.n_threads_batch = n_threads
+    context = llama_cpp.llama_init_from_model(model, params)
+    if not context:
+        raise RuntimeError(f"llama.cpp could not make a context of {sequences} sequences of {n_ctx} positions")
+    n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
+    batch = llama_cpp.llama_batch_init(params.n_batch, 0, 1)
+    memory = llama_cpp.llama_get_memory(context)
+    connection.send(("ready", n_ctx))
+    while True:
+        request = connection.recv()
+        if request is None:
+            return
+        prompts, max_new_tokens, eos = request
+        llama_cpp.llama_memory_clear(memory, True)  # every request from an empty cache, as the single runner's
+        rows = [[] for _ in prompts]
+        feeds = [(row, list(prompt), 0) for row, prompt in enumerate(prompts)] if max_new_tokens > 0 else []
+        while feeds:  # (row, its tokens this call, the position of the first)
+            batch.n_tokens, last = 0, []
+            for row, tokens, start in feeds:
+                for i, token in enumerate(tokens):
+                    j = batch.n_tokens
+                    batch.token[j], batch.pos[j], batch.n_seq_id[j] = token, start + i, 1
+                    batch.seq_id[j][0], batch.logits[j] = row, i == len(tokens) - 1
+                    batch.n_tokens += 1
+                last.append(batch.n_tokens - 1)
+            if llama_cpp.llama_decode(context, batch) != 0:
+                raise RuntimeError(f"llama_decode failed on a batch of {batch.n_tokens} tokens")
+            next_feeds = []
+            for (row, tokens, start), index in zip(feeds, last):
+                logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(context, index), shape=(n_vocab,))
+                token = int(logits.argmax())
+                rows[row].append(token)
+                if len(rows[row]) < max_new_tokens and token not in eos:
+                    next_feeds.append((row, [token], start + len(tokens)))
+            feeds = next_feeds
+        connection.send(("tokens", rows))
+
+
 class LlamaCppRunner:
     """One `llama_cpp.Llama` on a GGUF file, loaded once (outside every timed region) in a child process,
     decoding greedily.
@@ -136,7 +193,8 @@ class LlamaCppRunner:
     the previous call, e.g. the warm-up's prompt). A child that dies raises [`LlamaCppFailed`].
     """
 
-    def __init__(self, model_path, n_ctx: int, eos_token_id=None, n_threads: int | None = None, lookup: int = 0):
+    def __init__(self, model_path, n_ctx: int, eos_token_id=None, n_threads: int | None = None, lookup: int = 0,
+                 sequences: int | None = None):
         import multiprocessing
 
         require_llama_cpp()  # a missing library is a clear error here, not in the child
@@ -145,9 +203,14 @@ class LlamaCppRunner:
         self.eos_token_ids = _eos_ids(eos_token_id)
         context = multiprocessing.get_context("spawn")  # a fresh interpreter: no torch threads forked
         self._connection, child = context.Pipe()
-        self.lookup = lookup
-        self._process = context.Process(target=_serve, args=(child, str(self.model_path), n_ctx, self.n_threads,
-                                                             lookup), daemon=True)
+        self.lookup, self.sequences = lookup, sequences
+        if sequences is None:
+            serve, args = _serve, (child, str(self.model_path), n_ctx, self.n_threads, lookup)
+        else:  # [`generate_rows`]: several sequences a call, batched by llama.cpp
+            if lookup:
+                raise ValueError("llama.cpp's batched runner decodes without prompt-lookup drafts")
+            serve, args = _serve_batched, (child, str(self.model_path), n_ctx, self.n_threads, sequences)
+        self._process = context.Process(target=serve, args=args, daemon=True)
         self._process.start()
         child.close()
         self._n_ctx = self._receive("ready")
@@ -194,12 +257,36 @@ class LlamaCppRunner:
         return self._n_ctx
 
     @classmethod
-    def for_pair(cls, pair, prompts, max_new_tokens: int, pacer_cache=None, lookup: int = 0) -> LlamaCppRunner:
+    def for_pair(cls, pair, prompts, max_new_tokens: int, pacer_cache=None, lookup: int = 0,
+                 sequences: int | None = None) -> LlamaCppRunner:
         """A runner on the GGUF of `pair.target_source`, with a context long enough for the longest prompt
-        plus `max_new_tokens` (and a lookup's drafts), and the torch target's EOS tokens (its generation config's)."""
+        plus `max_new_tokens` (and a lookup's drafts), and the torch target's EOS tokens (its generation config's);
+        `sequences`: a batched runner of that many sequences, each such a context."""
         path = target_gguf(pair.target_source, pacer_cache, pair_name=pair.name)
         n_ctx = max(ids.shape[-1] for *_, ids in prompts) + max_new_tokens + 1 + lookup
-        return cls(path, n_ctx, eos_token_id=pair.target.generation_config.eos_token_id, lookup=lookup)
+        return cls(path, n_ctx, eos_token_id=pair.target.generation_config.eos_token_id, lookup=lookup,
+                   sequences=sequences)
+
+    def generate_rows(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        """Greedy continuations of several prompts decoded together (a batched runner: `sequences` set): each row's
+        new tokens, up to `max_new_tokens`, ending after an EOS token (included)."""
+        if self.sequences is None or not 0 < len(prompts) <= self.sequences:
+            raise ValueError(f"this llama.cpp runner decodes {self.sequences or 'no'} sequences together; got "
+                             f"{len(prompts)} prompts")
+        longest = max(len(p) for p in prompts)
+        if longest + max_new_tokens > self._n_ctx:
+            raise ValueError(f"{longest} prompt + {max_new_tokens} new tokens exceed llama.cpp's context of "
+                             f"{self._n_ctx} a sequence")
+        return self._request(([list(map(int, p)) for p in prompts], max_new_tokens, self.eos_token_ids))
+
+    def _request(self, request):
+        if not self._process.is_alive():
+            raise LlamaCppFailed(self._death())
+        try:
+            self._connection.send(request)
+        except OSError:
+            raise LlamaCppFailed(self._death()) from None
+        return self._receive("tokens")
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
@@ -210,11 +297,7 @@ class LlamaCppRunner:
         if len(prompt) + max_new_tokens > self._n_ctx:
             raise ValueError(f"{len(prompt)} prompt + {max_new_tokens} new tokens exceed llama.cpp's context "
                              f"of {self._n_ctx}")
-        if not self._process.is_alive():
-            raise LlamaCppFailed(self._death())
-        try:
-            self._connection.send((prompt, max_new_tokens, self.eos_token_ids))
-        except OSError:
-            raise LlamaCppFailed(self._death()) from None
-        new = self._receive("tokens")
+        if self.sequences is not None:
+            raise ValueError("a batched llama.cpp runner decodes by generate_rows")
+        new = self._request((prompt, max_new_tokens, self.eos_token_ids))
         return torch.cat([input_ids, torch.tensor([new], dtype=input_ids.dtype, device=input_ids.device)], dim=1)

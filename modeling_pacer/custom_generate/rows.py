@@ -155,6 +155,11 @@ def _mask(call: PackedCall, keys: int, window: int | None, implementation: str, 
 
 def check_packable(model) -> None:
     """A clear error where `model` has an attention implementation or a layer type a packed call cannot mask."""
+    if getattr(model, "_pacer_cache_slack", 0):  # `modeling_pacer.fixed_rows`: each call padded to one shape
+        raise ValueError(f"{type(model).__name__}'s forward runs each call as one sequence padded to a fixed number of "
+                         f"rows (fixed_rows; make_exact's choice on this device: {getattr(model, '_pacer_exact', None)!r}), "
+                         "which a packed call of several sequences cannot keep exact: decode one sequence a call, or "
+                         "make it exact by rows alone (modeling_pacer.exact.exact_candidates(16)['rows-alone'](model)).")
     config = model.config.get_text_config(decoder=True)
     implementation = config._attn_implementation
     if implementation not in BOOLEAN_MASKS + ADDITIVE_MASKS:

@@ -6,7 +6,8 @@
 #      "cudagraphs" backend: compiled in seconds), whether a call of 1..16 tokens and a prefill give bitwise the rows
 #      of single steps, the synchronized cost curve of 1..16 tokens, and the kernels' own time of a step (profiler);
 #   2. tests/gpu (every method against the exact target alone in bf16 and float32, with steps eager and captured,
-#      sampling, the exact probe at the 0.5B / 1.5B shapes, the cost model on CUDA, streaming);
+#      sampling, the exact probe at the 0.5B / 1.5B shapes, the cost model on CUDA, streaming, a left-padded batch
+#      each row its own output alone);
 #   3. end to end at the 1.5B shape: PACER against the exact target alone, eager and captured (a draft of the
 #      target's first 4 layers), and the other two exact ways' curves at the 1.5B shape (rows alone, eager attention);
 #   4. the 0.5B shape captured by inductor (capture's default, mode="reduce-overhead"): its compile time and curve.

@@ -1,5 +1,6 @@
 """pacer on a CUDA device: every method token for token the exact target's own greedy output in bf16 and float32, the
-sampled distribution the target's, the exact probe at the Qwen2.5 shapes, the cost model measured there, streaming.
+sampled distribution the target's, the exact probe at the Qwen2.5 shapes, the cost model measured there, streaming,
+a batch's rows each the target's own output alone.
 Skipped where CUDA is absent (CI); run on a lent GPU by tests/gpu/device-check.sh. `PACER_GPU_TESTS_DEVICE=cpu`
 runs the same tests on the CPU (the tests' own logic, not the GPU's numerics)."""
 
@@ -209,3 +210,46 @@ def test_processors_shortcuts_are_transformers_scores_on_cuda():
                 assert torch.equal(top_p(warper, ids, row).view(torch.int32), warper(ids, row).view(torch.int32))
         processor = MinNewTokensLengthLogitsProcessor(1, 5, [2, 7], device=str(CUDA))
         assert torch.equal(min_new_tokens(processor, ids, logits), processor(ids, logits))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_batch_is_each_row_alone_on_cuda(dtype):
+    """A left-padded batch of the prompts over the target made exact by rows alone on the device: each row token for
+    token the target's own greedy output alone, for a fixed draft, the cost-aware rule and SVIP. Where make_exact chose
+    a fixed row shape there, a batch is refused before any work (a packed call cannot keep that shape)."""
+    from test_greedy import POLICIES
+
+    from modeling_pacer import FixedLength
+    from modeling_pacer.exact import exact_candidates, undo_exact
+
+    target, draft = make_pair("qwen2", "qwen2", "noisy", hidden=256, layers=4, vocab=VOCAB)
+    target, draft = target.to(CUDA, dtype), draft.to(CUDA, dtype)
+    prompts = _prompts()
+    width = max(p.shape[1] for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long, device=CUDA)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, width - p.shape[1]:], mask[row, width - p.shape[1]:] = p[0], 1
+    attention = target.config._attn_implementation
+    chosen = make_exact(target)._pacer_exact
+    if chosen in ("fixed-rows", "fixed-rows-eager"):
+        with pytest.raises(ValueError, match="fixed number of rows"):
+            target.generate(ids, attention_mask=mask, assistant_model=draft, stopping_policy="fixed", max_new_tokens=4,
+                            pad_token_id=0)
+    if chosen != "rows-alone":
+        undo_exact(target, attention)
+        exact_candidates(16)["rows-alone"](target)
+    failures, drafted = [], 0
+    for new in NEW_TOKENS:
+        alone = [target.generate(p, max_new_tokens=new, do_sample=False, pad_token_id=0) for p in prompts]
+        for name, policy in (("fixed-3", lambda: FixedLength(3)), ("throughput-draft", POLICIES["throughput-draft"]),
+                             ("svip", POLICIES["svip"])):
+            out = target.generate(ids, attention_mask=mask, assistant_model=draft, stopping_policy=policy(),
+                                  max_new_tokens=new, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+            drafted += sum(s.drafted for s in out.pacer_stats.steps)
+            for row, (p, want) in enumerate(zip(prompts, alone)):
+                got = out.sequences[row, width:width + want.shape[1] - p.shape[1]]
+                if got.tolist() != want[0, p.shape[1]:].tolist():
+                    failures.append((name, new, row))
+    assert not failures, f"{len(failures)} rows differ from the target alone: {failures[:10]}"
+    assert drafted > 0
