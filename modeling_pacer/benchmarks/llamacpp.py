@@ -125,14 +125,13 @@ def _serve(connection, model_path: str, n_ctx: int, n_threads: int, lookup: int 
         connection.send(("tokens", new))
 
 
-def _serve_batched(connection, model_path: str, n_ctx: int, n_threads: int, sequences: int,
-                   kv_unified: bool = True) -> None:
+def _serve_batched(connection, model_path: str, n_ctx: int, n_threads: int, sequences: int, kv_unified: bool) -> None:
     """The child process of a batched runner: llama.cpp's batched decoding as its server decodes parallel slots (and
     its `batched` and `parallel` examples): one context of `sequences` sequences, `n_ctx` positions of the KV cache
-    each, in one buffer (`kv_unified`, as llama-server's automatic slots run: 8-13% faster here than a buffer a
-    sequence at B = 4 and 8 on the benchmark's prompts); a request's prompts read in one `llama_decode` (each row its own
-    sequence id and positions), then every unfinished row's next token in one `llama_decode` a step, greedy (the
-    argmax of the row's logits, as llama.cpp's greedy sampler takes)."""
+    each, in one buffer where `kv_unified` (as llama-server's automatic slots run), else a buffer a sequence; a
+    request's prompts read in one `llama_decode` (each row its own sequence id and positions), then every unfinished
+    row's next token in one `llama_decode` a step, greedy (the argmax of the row's logits, as llama.cpp's greedy
+    sampler takes)."""
     import logging
 
     import numpy as np
@@ -186,7 +185,7 @@ def _serve_batched(connection, model_path: str, n_ctx: int, n_threads: int, sequ
 
 class LlamaCppRunner:
     """One `llama_cpp.Llama` on a GGUF file, loaded once (outside every timed region) in a child process,
-    decoding greedily.
+    decoding greedily; with `sequences`, a batched context of that many sequences instead ([`generate_rows`]).
 
     `generate` starts from the same token ids as the other methods (no text, no added BOS) and stops as
     transformers does: after `max_new_tokens`, or after emitting a token of `eos_token_id` (included).

@@ -153,9 +153,16 @@ def _mask(call: PackedCall, keys: int, window: int | None, implementation: str, 
     return torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill_(~seen, torch.finfo(dtype).min)
 
 
+def cache_slack(model) -> int:
+    """Positions a call of `model` may write past its real tokens before the cache is cropped back (the padding of a
+    fixed row shape, `modeling_pacer.fixed_rows`): room a StaticCache must have; a packed call cannot be padded so."""
+    return int(getattr(model, "_pacer_cache_slack", 0))
+
+
 def check_packable(model) -> None:
-    """A clear error where `model` has an attention implementation or a layer type a packed call cannot mask."""
-    if getattr(model, "_pacer_cache_slack", 0):  # `modeling_pacer.fixed_rows`: each call padded to one shape
+    """A clear error where `model` has an attention implementation or a layer type a packed call cannot mask, or pads
+    each call to a fixed row shape ([`cache_slack`])."""
+    if cache_slack(model):
         raise ValueError(f"{type(model).__name__}'s forward runs each call as one sequence padded to a fixed number of "
                          f"rows (fixed_rows; make_exact's choice on this device: {getattr(model, '_pacer_exact', None)!r}), "
                          "which a packed call of several sequences cannot keep exact: decode one sequence a call, or "

@@ -9,7 +9,7 @@ from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import StaticLayer
 from transformers.generation.utils import ALL_CACHE_NAMES
 
-from .rows import RowCache, packed_forward
+from .rows import RowCache, cache_slack, packed_forward
 
 # --------------------------------------------------------------------------------------------------
 # the cache's name: transformers 5.24 renamed it from `past_key_values` to `cache`, both in the
@@ -102,12 +102,6 @@ def crop_cache(cache, length: int) -> None:
 def wants_static_cache(model) -> bool:
     """Whether `model`'s steps are captured ([`modeling_pacer.capture`]): it then decodes over a StaticCache."""
     return bool(getattr(model, "_pacer_static_cache", False))
-
-
-def cache_slack(model) -> int:
-    """Positions a call of `model` may write past its real tokens before the cache is cropped back (the padding of a
-    fixed row shape, `modeling_pacer.fixed_rows`): room a StaticCache must have."""
-    return int(getattr(model, "_pacer_cache_slack", 0))
 
 
 # a static cache's size: the smallest power of two, at least this, that holds the call: few sizes, so few graphs
