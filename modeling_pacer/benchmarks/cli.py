@@ -31,6 +31,10 @@ from modeling_pacer.resources import ensure_writable_folder, portable_path
 
 from .provenance import run_meta
 
+# the methods that run llama.cpp (greedy only)
+LLAMA_CPP_METHODS = ("llama.cpp", "llama.cpp-lookup", "llama.cpp-server", "llama.cpp-speculative",
+                     "llama.cpp-speculative-tuned")
+
 # `--quick`: the 30-prompt benchmark's methods and length on its first prompt of each dataset, the shortest run
 # that reproduced that benchmark's ranking (at 32 tokens the prompt's prefill, the same for every method, hides it)
 QUICK_METHODS = ["target", "hf-assisted", "fixed-4", "svip", "specdec++", "pacer"]
@@ -288,7 +292,7 @@ def validate(args) -> None:
     """Raise ValueError naming the first argument that cannot work, before anything expensive runs."""
     from modeling_pacer.prompts import prompt_file
 
-    from .methods import all_methods, select_methods
+    from .methods import LLAMA_CPP, all_methods, select_methods
 
     if args.command in ("breakdown", "paired"):  # every file readable before anything is written
         paths = [args.results] if args.command == "breakdown" else args.results
@@ -329,7 +333,7 @@ def validate(args) -> None:
     if head is not None and not Path(head).exists() and not re.fullmatch(r"[\w.-]+/[\w.-]+", head):
         raise ValueError(f"--head {head}: no such folder, and not a Hub repo id (org/name).")
     if args.command == "run" and args.do_sample and any(fnmatch.fnmatchcase(name, m) for m in args.methods or []
-                                                         for name in ("llama.cpp", "llama.cpp-lookup")):
+                                                         for name in LLAMA_CPP_METHODS):
         # before the methods are resolved: resolving llama.cpp first asks for its library
         raise ValueError("--do-sample: the llama.cpp methods run greedy decoding only; leave them out of --methods.")
     if args.command in ("run", "replay"):
@@ -383,10 +387,10 @@ def validate(args) -> None:
             require_llama_cpp()
             check_target_args(args)
     if args.command == "run":
-        if {"llama.cpp", "llama.cpp-lookup"} & {m.name for m in chosen}:  # the target's GGUF file, found before a model loads
+        if any(m.family in LLAMA_CPP for m in chosen):  # the GGUF files, found before a model loads
             from .llamacpp import check_target_args
 
-            check_target_args(args)
+            check_target_args(args, draft=any(m.speculation is not None for m in chosen))
         for dataset in args.datasets:
             prompt_file(dataset)  # PromptsNotInstalledError names the command that installs it
         if args.record_traces:
@@ -425,6 +429,15 @@ def _load_head(path):
     from modeling_pacer import PacerHead
 
     return PacerHead.from_pretrained(path).eval()
+
+
+def _llama_server_build(methods) -> str | None:
+    """llama.cpp's build, as its server reports it, where a method of the run ran it."""
+    if not any(m.family == "llama-server" for m in methods):
+        return None
+    from .llamaserver import server_binary, server_version
+
+    return server_version(server_binary())
 
 
 def _available_methods(args, head, costs=None, announce=False):
@@ -493,7 +506,7 @@ def run(args) -> dict:
                 # the methods that decided on costs of their own (a reduced draft head's), by name
                 method_costs={m.name: m.costs.to_dict() for m in methods if m.draft_vocab} or None,
                 sampling=dict(temperature=args.temperature, top_p=args.top_p, seed=args.seed) if args.do_sample else None,
-                failed=failures or None)
+                failed=failures or None, llama_server=_llama_server_build(methods))
     result = write_report(Path(args.out), [r.to_dict() for r in records], oracle_rows, meta)
     if args.record_traces:
         full = [

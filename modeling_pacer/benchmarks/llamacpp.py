@@ -46,10 +46,10 @@ def require_llama_cpp():
     return llama_cpp
 
 
-def _not_gguf(source: ModelSource) -> ValueError:
+def _not_gguf(source: ModelSource, role: str = "target") -> ValueError:
     return ValueError(
-        f"llama.cpp needs the target as a GGUF file; the target {source.describe()} is not one (a registered pair, "
-        "or --target with a local .gguf file or a folder holding exactly one)."
+        f"llama.cpp needs the {role} as a GGUF file; the {role} {source.describe()} is not one (a registered pair, "
+        f"or --{role} with a local .gguf file or a folder holding exactly one)."
     )
 
 
@@ -62,8 +62,9 @@ def target_gguf(source: ModelSource, pacer_cache=None, *, pair_name: str = DEFAU
     return path
 
 
-def check_target(source: ModelSource, pacer_cache=None, *, pair_name: str = DEFAULT_PAIR) -> None:
-    """`target_gguf`'s checks without its work (nothing is assembled): a ValueError naming the problem."""
+def check_target(source: ModelSource, pacer_cache=None, *, pair_name: str = DEFAULT_PAIR, role: str = "target") -> None:
+    """`target_gguf`'s checks without its work (nothing is assembled): a ValueError naming the problem (`role`: the
+    model the source is, for the message)."""
     if source.parts is not None:
         if gguf_path(source.parts, pacer_cache).is_file():
             return
@@ -73,15 +74,18 @@ def check_target(source: ModelSource, pacer_cache=None, *, pair_name: str = DEFA
             raise ValueError(str(error)) from None
         return
     if source_gguf(source) is None:  # no parts here: nothing is assembled
-        raise _not_gguf(source)
+        raise _not_gguf(source, role)
 
 
-def check_target_args(args) -> None:
-    """`check_target` for the target named by pacer-bench's `--pair` / `--target` / `--draft` arguments."""
+def check_target_args(args, draft: bool = False) -> None:
+    """`check_target` for the target named by pacer-bench's `--pair` / `--target` / `--draft` arguments (`draft`: and
+    for the draft, which llama.cpp's speculation reads too)."""
     from ..pairs.loading import resolve_pair
 
     spec = resolve_pair(args.target or args.pair or DEFAULT_PAIR, args.draft)
     check_target(spec.target, pair_name=spec.name)
+    if draft:
+        check_target(spec.draft, pair_name=spec.name, role="draft")
 
 
 def _eos_ids(eos_token_id) -> set[int]:

@@ -1,7 +1,7 @@
 """The methods a benchmark compares: the target alone, transformers' assisted generation as shipped and its prompt
 lookup, every stopping policy of our loop (with free drafts looked up in the sequence, `pacer-lookup`), and (opt-in)
-plain llama.cpp on the target's GGUF, and its prompt-lookup decoding. Each method is one `generate` call on the same
-inputs."""
+plain llama.cpp on the target's GGUF, its prompt-lookup decoding, its server, and the server speculating with the
+pair's draft (llama.cpp's own speculative decoding). Each method is one `generate` call on the same inputs."""
 
 import contextlib
 import copy
@@ -25,6 +25,7 @@ from ..custom_generate.policies import (
     make_policy,
 )
 from ..draft_vocab import output_head
+from .llamaserver import Speculation, server_binary
 
 
 @dataclass
@@ -33,7 +34,9 @@ class Method:
     `assistant_config` overrides the draft's generation config for transformers' assisted methods."""
 
     name: str
-    family: str  # "target", "hf", "pacer", "llamacpp" or "unfused" (the target alone on its eager layers)
+    # "target", "hf", "pacer", "llamacpp" (llama-cpp-python), "llama-server" (llama.cpp's server: `speculation` set,
+    # speculating with the pair's draft) or "unfused" (the target alone on its eager layers)
+    family: str
     policy: Callable[[], StoppingPolicy] | None = None
     assistant_config: dict = field(default_factory=dict)
     needs_head: bool = False
@@ -46,6 +49,7 @@ class Method:
     draft_head: object = None  # that head, built from the draft's own by the run (draft_vocab.reduced_head)
     layerwise: bool = False  # fused models call their layers' kernels one layer at a time (fused_layers.layer_by_layer)
     int8_prompt: bool = False  # the int4 draft reads its prompt on the int8 path, not the bf16 tiles (untiled_prompts)
+    speculation: Speculation | None = None  # llama-server's draft-model speculation (llamaserver.py)
 
     def make_policy(self, costs=None) -> StoppingPolicy:
         """A fresh policy; a cost-aware one gets `costs`, else the method's own (the live run's)."""
@@ -60,13 +64,17 @@ class Method:
     def opt_in(self) -> bool:
         """Chosen only when `--methods` names it: it needs an optional extra (llama.cpp), a fused target, or a
         head the run builds for it (a reduced draft vocabulary)."""
-        return self.family in ("llamacpp", "unfused") or self.draft_vocab > 0 or self.layerwise or self.int8_prompt
+        return self.family in LLAMA_CPP or self.family == "unfused" or self.draft_vocab > 0 or self.layerwise \
+            or self.int8_prompt
 
     @property
     def own_numerics(self) -> bool:
         """Computes another function than the torch target (llama.cpp's quantized kernels, a fused target's eager
         layers): its output is not expected to equal the target's, so it is never counted as a mismatch."""
-        return self.family in ("llamacpp", "unfused")
+        return self.family in LLAMA_CPP or self.family == "unfused"
+
+
+LLAMA_CPP = ("llamacpp", "llama-server")  # the families that run llama.cpp, not the torch models
 
 
 def _hf(name: str, **assistant_config) -> Method:
@@ -84,6 +92,10 @@ DRAFT_WINDOWS = (32, 64, 128)
 # tokens the draft's LM head computes in the `pacer-vocab-*` methods (alone, and with a window of 128 tokens)
 DRAFT_VOCABS = (65536,)
 
+
+# llama.cpp's tuned speculation: drafting stops under the draft's probability 0.75, at most 16 tokens (its defaults
+# are 0 and 3)
+TUNED_SPECULATION = dict(n_max=16, p_min=0.75)
 
 # tokens a lookup proposes: transformers' and llama.cpp's defaults for their prompt lookup are 10; pacer's rule
 # usually stops before its 16
@@ -140,6 +152,11 @@ def all_methods(gammas=(1, 2, 3, 4, 5, 6), head_config=None, costs=None, do_samp
         Method("hf-prompt-lookup", "hf", lookup=LOOKUP_TOKENS["hf"]),  # transformers' prompt lookup, no draft model
         Method("llama.cpp", "llamacpp"),  # opt-in: plain greedy llama.cpp on the target's GGUF file
         Method("llama.cpp-lookup", "llamacpp", lookup=LOOKUP_TOKENS["llamacpp"]),  # opt-in: its prompt lookup
+        # opt-in: llama.cpp's server, plain (the speculative methods' reference: the same build), speculating with the
+        # pair's draft at llama.cpp's defaults, and with the adaptive stop its docs suggest for a CPU
+        Method("llama.cpp-server", "llama-server"),
+        Method("llama.cpp-speculative", "llama-server", speculation=Speculation()),
+        Method("llama.cpp-speculative-tuned", "llama-server", speculation=Speculation(**TUNED_SPECULATION)),
     ]
     return {m.name: m for m in methods}
 
@@ -162,6 +179,8 @@ def select_methods(patterns: list[str] | None, available: dict[str, Method]) -> 
         from .llamacpp import require_llama_cpp
 
         require_llama_cpp()
+    if any(m.family == "llama-server" for m in chosen):
+        server_binary()  # LlamaServerNotInstalledError
     return chosen
 
 
@@ -186,10 +205,10 @@ def run_method(method: Method, target, draft, head, input_ids: torch.Tensor, max
     method by name."""
     settings = dict(max_new_tokens=max_new_tokens, do_sample=False)
     if sampling is not None:
-        if method.family == "llamacpp":
+        if method.family in LLAMA_CPP:
             raise ValueError("the llama.cpp method runs greedy decoding only: leave it out of a sampled benchmark")
         settings.update(sampling, min_new_tokens=max_new_tokens)
-    if method.family == "llamacpp":
+    if method.family in LLAMA_CPP:
         runner = llamacpp.get(method.name) if isinstance(llamacpp, dict) else llamacpp
         if runner is None:
             raise ValueError("the llama.cpp method needs a LlamaCppRunner (run_live builds one when it is selected)")

@@ -99,6 +99,7 @@ def summarize(records: list[dict], oracle_rows: list[dict]) -> list[dict]:
             mismatches=mismatches, own_numerics=own_numerics, sampled=sampled,
             agree_prefix=None if None in prefixes else sum(prefixes) / len(prefixes),
         )
+        row.update(_peer_summary(rs))
         if own_numerics:  # not the torch models: nothing of theirs was counted or timed
             row.update(tau=None, target_forwards_per_token=None, draft_forwards_per_token=None, target_share=None,
                        draft_share=None, head_share=None, other_share=None, of_oracle=None)
@@ -127,6 +128,37 @@ def summarize(records: list[dict], oracle_rows: list[dict]) -> list[dict]:
     order[END_TO_END_ORACLE] = len(order)
     datasets = list(dict.fromkeys(r["dataset"] for r in records)) + ["all"]
     return sorted(rows, key=lambda r: (datasets.index(r["dataset"]), order[r["method"]]))
+
+
+def _peer_summary(rs: list[dict]) -> dict:
+    """llama.cpp's speculative methods (records with its own counts): the share of its drafted tokens accepted,
+    and how many outputs equal plain llama.cpp's, with the mean agreeing prefix; nothing for the others."""
+    if all(r.get("peer_drafted") is None for r in rs):
+        return {}
+    drafted = sum(r.get("peer_drafted") or 0 for r in rs)
+    accepted = sum(r.get("peer_accepted") or 0 for r in rs)
+    out = dict(peer_drafted=drafted, peer_acceptance=accepted / drafted if drafted else None)
+    same = [r.get("same_as_plain_llamacpp") for r in rs]
+    if all(v is not None for v in same):
+        prefixes = [r["plain_llamacpp_prefix"] for r in rs]
+        out.update(same_as_plain_llamacpp=sum(same), plain_llamacpp_prefix=sum(prefixes) / len(prefixes))
+    return out
+
+
+def peer_notes(summary: list[dict]) -> str:
+    """A line per llama.cpp speculative method (all prompts): its acceptance by llama.cpp's own count and its
+    agreement with plain llama.cpp, for under the table."""
+    lines = []
+    for r in summary:
+        if r["dataset"] != "all" or "peer_drafted" not in r:
+            continue
+        accepted = "–" if r["peer_acceptance"] is None else f"{r['peer_acceptance']:.2f}"
+        line = f"- {r['method']}: {r['peer_drafted']} draft tokens proposed, {accepted} of them accepted (llama.cpp's count)"
+        if "same_as_plain_llamacpp" in r:
+            line += (f"; {r['same_as_plain_llamacpp']}/{r['prompts']} outputs equal plain llama.cpp's token for token "
+                     f"(on average {r['plain_llamacpp_prefix']:.1f} new tokens agree before the first difference)")
+        lines.append(line)
+    return ("\n" + "\n".join(lines) + "\n") if lines else ""
 
 
 def _fmt(value, pattern: str) -> str:
@@ -243,7 +275,9 @@ def write_report(out: Path, records: list[dict], oracle_rows: list[dict], meta: 
     out.mkdir(parents=True, exist_ok=True)
     summary = summarize(records, oracle_rows)
     histograms = draft_length_histograms(records, oracle_rows)
-    table = markdown_table(summary)
+    table = markdown_table(summary) + peer_notes(summary)
+    if meta.get("llama_server"):
+        table += f"\nllama.cpp's server: build {meta['llama_server']}\n"
     for name, message in (meta.get("failed") or {}).items():  # a method that died: said under the table
         table += f"\n**{name} failed** (no rows): {message}\n"
     (out / "results.md").write_text(f"Command: `{meta.get('command', '')}`\n\n" + table)

@@ -11,7 +11,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .llamacpp import LlamaCppFailed, LlamaCppRunner
-from .methods import Method, run_method
+from .llamaserver import LlamaServerRunner
+from .methods import LLAMA_CPP, Method, run_method
 from ..replay import CostModel, Trace, oracle, record_match
 
 
@@ -46,6 +47,13 @@ class Record:
     # sampled decoding: outputs are draws, not comparable token for token (losslessness in distribution is what
     # tests/test_sampling.py checks); the seed makes the run repeatable
     sampled: bool = False
+    # llama.cpp's speculative methods: the draft tokens it proposed and the target accepted, by its own count
+    peer_drafted: int | None = None
+    peer_accepted: int | None = None
+    # ... and whether the output equals plain llama.cpp's (the same server build without a draft, else
+    # llama-cpp-python's) on this prompt, and how many new tokens agree before the first difference
+    same_as_plain_llamacpp: bool | None = None
+    plain_llamacpp_prefix: int | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -102,6 +110,29 @@ def _timed(method: Method, target, draft, head, input_ids, max_new_tokens, meter
     return sequences, stats, seconds, used
 
 
+def build_llamacpp_runners(pair, methods: list[Method], prompts, max_new_tokens: int) -> dict:
+    """A runner per llama.cpp method, by name (each its own process, loaded here, outside every timed region)."""
+    runners = {}
+    try:
+        for m in methods:
+            if m.family == "llamacpp":
+                runners[m.name] = LlamaCppRunner.for_pair(pair, prompts, max_new_tokens, lookup=m.lookup)
+            elif m.family == "llama-server":
+                runners[m.name] = LlamaServerRunner.for_pair(pair, prompts, max_new_tokens, speculation=m.speculation)
+    except BaseException:
+        for runner in runners.values():
+            runner.close()
+        raise
+    return runners
+
+
+def plain_llamacpp(methods: list[Method]) -> str | None:
+    """The plain llama.cpp method a speculative one is compared with: the server without a draft (the same build),
+    else llama-cpp-python's; None where neither runs."""
+    names = [m.name for m in methods]
+    return next((name for name in ("llama.cpp-server", "llama.cpp") if name in names), None)
+
+
 def agree_prefix(a: torch.Tensor, b: torch.Tensor, start: int) -> int:
     """How many tokens of `a` and `b` (1, *) from position `start` on are equal before the first difference."""
     a, b = a[0, start:].tolist(), b[0, start:].tolist()
@@ -128,9 +159,8 @@ def run_live(pair, head, methods: list[Method], prompts, max_new_tokens: int, pr
     if not any(m.name == "target" for m in methods):
         raise ValueError("The benchmark needs the 'target' method: every speedup is relative to it.")
     built = {}  # runners built here are closed here (their child processes end with the run)
-    if llamacpp is None and any(m.family == "llamacpp" for m in methods):
-        llamacpp = built = {m.name: LlamaCppRunner.for_pair(pair, prompts, max_new_tokens, lookup=m.lookup)
-                            for m in methods if m.family == "llamacpp"}
+    if llamacpp is None and any(m.family in LLAMA_CPP for m in methods):
+        llamacpp = built = build_llamacpp_runners(pair, methods, prompts, max_new_tokens)
     failures = {} if failures is None else failures
     methods = list(methods)
     meters = [ForwardMeter(target), ForwardMeter(draft)]
@@ -160,6 +190,7 @@ def run_live(pair, head, methods: list[Method], prompts, max_new_tokens: int, pr
                 if progress is not None:
                     progress.update(1)
             reference = results["target"][0]
+            plain = plain_llamacpp(methods)
             for method in methods:
                 sequences, stats, seconds, ((target_fw, target_s, target_first), (draft_fw, draft_s, draft_first)) = \
                     results[method.name]
@@ -175,6 +206,7 @@ def run_live(pair, head, methods: list[Method], prompts, max_new_tokens: int, pr
                     target_prefill_seconds=target_first, draft_prefill_seconds=draft_first,
                     agree_prefix=None if sampling else agree_prefix(sequences, reference, input_ids.shape[1]),
                     sampled=sampling is not None,
+                    **_peer_fields(method, sequences, results.get(plain), llamacpp, input_ids.shape[1]),
                 ))
             if sampling is None:
                 output = reference[0, input_ids.shape[1]:].cpu()
@@ -185,6 +217,20 @@ def run_live(pair, head, methods: list[Method], prompts, max_new_tokens: int, pr
         for runner in built.values():
             runner.close()
     return records, traces
+
+
+def _peer_fields(method: Method, sequences, plain, runners, start: int) -> dict:
+    """A llama.cpp speculative method's Record fields: its counts (its runner's, for the request just made) and its
+    agreement with `plain` (plain llama.cpp's `_timed` result on the prompt, None where it did not run)."""
+    if method.speculation is None:
+        return {}
+    runner = runners.get(method.name) if isinstance(runners, dict) else runners
+    counts = getattr(runner, "last", None) or {}
+    fields = dict(peer_drafted=counts.get("drafted"), peer_accepted=counts.get("accepted"))
+    if plain is not None:
+        fields.update(same_as_plain_llamacpp=sequences.tolist() == plain[0].tolist(),
+                      plain_llamacpp_prefix=agree_prefix(sequences, plain[0], start))
+    return fields
 
 
 def measured_prefills(records: list[Record]) -> tuple[float | None, float | None]:
