@@ -40,7 +40,7 @@ LLAMA_CPP_METHODS = ("llama.cpp", "llama.cpp-lookup", "llama.cpp-server", "llama
 QUICK_METHODS = ["target", "hf-assisted", "fixed-4", "svip", "specdec++", "pacer"]
 QUICK_NEW_TOKENS = 96
 COMMANDS = ("run", "replay", "merge", "breakdown", "paired", "costs", "agreement", "draft-agreement", "device", "space",
-            "kernel-rows", "batch")
+            "kernel-rows", "batch", "overlap")
 
 
 def _positive(text: str) -> int:
@@ -275,6 +275,16 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("--max-new-tokens", type=_positive, default=96)
     batch.add_argument("--threads", type=_positive, help="torch CPU threads (default: torch's choice)")
     _add_output(batch, "batch-out")
+
+    overlap = sub.add_parser("overlap", help="whether the draft drafting while the target verifies (PEARL) can pay here: "
+                             "each model's step on one core alone and both at once, on every core, and the memory "
+                             "bandwidth one and two cores reach (two processes, one a model)")
+    add_pair_arguments(overlap)
+    overlap.add_argument("--draft-tokens", type=_positive, default=3,
+                         help="k: the draft steps a verification of k + 1 tokens overlaps (default 3)")
+    overlap.add_argument("--seconds", type=float, default=2.0, help="each case's timed loop, a round (default 2)")
+    overlap.add_argument("--rounds", type=_positive, default=3, help="interleaved rounds; medians over them (default 3)")
+    _add_output(overlap, "overlap-out")
     return p
 
 
@@ -349,11 +359,11 @@ def validate(args) -> None:
                          "(or int4+int8, w4a8)")
     if args.command in ("run", "agreement", "draft-agreement", "batch"):
         require("bench", f"pacer-bench {args.command} (the prompt sets)", ("datasets",))
-    if args.command in ("run", "costs", "agreement", "draft-agreement", "batch") and (
+    if args.command in ("run", "costs", "agreement", "draft-agreement", "batch", "overlap") and (
             not args.target or str(args.target).endswith(".gguf") or getattr(args, "quantize_target", None)):
         require("bench", f"pacer-bench {args.command} on GGUF weights (the default pair's, or --quantize-target)",
                 ("gguf",))
-    if args.command in ("run", "costs", "agreement", "draft-agreement", "batch"):
+    if args.command in ("run", "costs", "agreement", "draft-agreement", "batch", "overlap"):
         # the names, checked (nothing loads), and the draft setting that runs: the pair's own unless one is named
         args.quantize_draft = PairArguments(args.pair, args.target, args.draft, args.quantize_draft, args.quantize_target,
                                             args.dtype, args.exact, args.aligned_draft,
@@ -376,6 +386,14 @@ def validate(args) -> None:
                     resolve_dtype(dtype)
             except ValueError as error:
                 raise ValueError(f"--dtypes: {error} (or one of {sorted(TARGET_QUANTIZATIONS)})") from None
+    if args.command == "overlap":
+        import os
+
+        if not args.seconds > 0:
+            raise ValueError(f"--seconds must be positive, got {args.seconds}")
+        if len(os.sched_getaffinity(0)) < 2:
+            raise ValueError("pacer-bench overlap splits two cores between the models; this process may use "
+                             f"{len(os.sched_getaffinity(0))}")
     if args.command == "batch":
         for dataset in args.datasets:
             prompt_file(dataset)
@@ -1002,6 +1020,14 @@ def run_batch(args) -> dict:
     return result
 
 
+def _run_overlap(args) -> dict:
+    from .overlap import run_overlap
+
+    result = run_overlap(args)
+    _print_result(result)
+    return result
+
+
 def _run_kernel_rows(args) -> dict:
     from .kernel_rows import run_kernel_rows
 
@@ -1012,7 +1038,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     result = {"run": run, "replay": run_replay, "merge": run_merge, "breakdown": run_breakdown, "paired": run_paired, "costs": run_costs,
               "agreement": run_agreement, "draft-agreement": run_draft_agreement, "device": _run_device,
-              "space": _run_space, "kernel-rows": _run_kernel_rows, "batch": run_batch}[args.command](args)
+              "space": _run_space, "kernel-rows": _run_kernel_rows, "batch": run_batch,
+              "overlap": _run_overlap}[args.command](args)
     lost = [r for r in result.get("summary", []) if r.get("dataset") == "all" and r.get("mismatches")]
     if lost:  # the report is written, but a method that changed the target's output is a failure
         print(f"pacer-bench: NOT LOSSLESS: {[r['method'] for r in lost]} changed the target's output", file=sys.stderr)

@@ -541,11 +541,18 @@ def add_pair_arguments(parser: argparse.ArgumentParser) -> None:
 
 def pair_from_args(args, **kwargs) -> LoadedPair:
     """`load_pair` from the arguments that `add_pair_arguments` defines."""
+    return load_pair(**load_arguments(args), **kwargs)
+
+
+def load_arguments(args) -> dict:
+    """[`load_pair`]'s keyword arguments from those that `add_pair_arguments` defines (plain values: a child process
+    can load the same pair from them)."""
     # `PairArguments` has resolved the pair's default already: None there means none
-    return load_pair(args.target or args.pair or DEFAULT_PAIR, args.draft, quantize_draft=args.quantize_draft or False,
-                     quantize_target=args.quantize_target, dtype=args.dtype, exact=args.exact,
-                     aligned_draft=getattr(args, "aligned_draft", None), draft_vocab=getattr(args, "draft_vocab", None),
-                     fuse_target=None if getattr(args, "fuse_target", True) else False, **kwargs)
+    return dict(name_or_target=args.target or args.pair or DEFAULT_PAIR, draft=args.draft,
+                quantize_draft=args.quantize_draft or False, quantize_target=args.quantize_target, dtype=args.dtype,
+                exact=args.exact, aligned_draft=getattr(args, "aligned_draft", None),
+                draft_vocab=getattr(args, "draft_vocab", None),
+                fuse_target=None if getattr(args, "fuse_target", True) else False)
 
 
 def _bnb_8bit_config():
