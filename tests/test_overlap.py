@@ -41,9 +41,13 @@ def test_the_bound_is_the_serial_step_over_the_overlapped_one():
     # a draft that is slow beside the target: the overlapped step is its k steps
     slow = summarize_overlap(_medians(d_both=0.030), draft_tokens=3, nbytes=10**9, cores=2)
     assert slow["overlapped_step_ms"] == pytest.approx(90) and slow["bound"] == pytest.approx(60 / 90)
+    # 1 -> 2 cores: the target 50 -> 30 ms, the draft 15 -> 10 ms; on 4 cores 18 and 6.67 ms, each half (2 cores) as
+    # on 2 cores slowed together by 60/50 and 20/15: serial 3 * 6.67 + 18 = 38, overlapped max(3 * 10 * 4/3, 30 * 1.2)
+    assert result["projected"][4] == pytest.approx((3 * 10 / 1.5 + 30 / (5 / 3)) / max(3 * 10 * 20 / 15, 30 * 60 / 50))
+    assert set(result["projected"]) == {4, 8}
     table = overlap_table(result)
     assert "| both at once, 1 core each | 60.0 | 20.0 |" in table and "| target alone, 1 core | 50.0 | – |" in table
-    assert "at most 1.00x" in table
+    assert "at most 1.00x" in table and "Projection (not measured" in table
 
 
 @pytest.mark.skipif(not TWO_CORES, reason="overlap splits two cores between the models")

@@ -179,7 +179,8 @@ def summarize_overlap(medians: dict, draft_tokens: int, nbytes: int, cores: int)
     gbps = lambda seconds: nbytes / seconds / 1e9  # noqa: E731
     two = medians["bandwidth, 2 at once, 1 core each"]
     return dict(
-        draft_tokens=k, cores=cores,
+        draft_tokens=k, cores=cores, projected=project(t_every, d_every, t_one, d_one, both["target"] / t_one,
+                                                       both["draft"] / d_one, k, cores),
         ms={name: {role: 1000 * s for role, s in by_role.items()} for name, by_role in medians.items()
             if not name.startswith("bandwidth")},
         slowdown_together=dict(target=both["target"] / t_one, draft=both["draft"] / d_one),
@@ -188,6 +189,29 @@ def summarize_overlap(medians: dict, draft_tokens: int, nbytes: int, cores: int)
                             alone_every_core=gbps(medians["bandwidth alone, every core"]["target"])),
         serial_step_ms=1000 * serial, overlapped_step_ms=1000 * overlapped, bound=serial / overlapped,
     )
+
+
+def project(t_every: float, d_every: float, t_one: float, d_one: float, slow_target: float, slow_draft: float, k: int,
+            cores: int, to=(4, 8)) -> dict:
+    """A projection, not a measurement: the bound on `to` cores split in halves, assuming that every doubling of a
+    model's cores speeds its step as the measured one from 1 core to `cores` did (per doubling) and that running
+    together slows each as measured. `{cores: bound}` for each of `to` above `cores`."""
+    import math
+
+    doublings = math.log2(cores)
+    if cores < 2 or doublings <= 0:
+        return {}
+    gain_t, gain_d = (t_one / t_every) ** (1 / doublings), (d_one / d_every) ** (1 / doublings)
+    out = {}
+    for c in to:
+        if c <= cores:
+            continue
+        steps = math.log2(c / cores)
+        t, d = t_every / gain_t ** steps, d_every / gain_d ** steps  # on c cores
+        serial = k * d + t
+        overlapped = max(k * d * gain_d * slow_draft, t * gain_t * slow_target)  # on c / 2 cores each, together
+        out[c] = serial / overlapped
+    return out
 
 
 def overlap_table(result: dict) -> str:
@@ -209,6 +233,10 @@ def overlap_table(result: dict) -> str:
         f"once, one core each) {result['overlapped_step_ms']:.1f} ms: overlap can gain at most {result['bound']:.2f}x "
         "a step, before the drafts a rejection throws away.",
     ]
+    if result.get("projected"):
+        lines.append("Projection (not measured: each doubling of a model's cores taken to speed its step as the measured "
+                     "one did, and running together to slow each as measured): on " + ", ".join(
+                         f"{c} cores {bound:.2f}x" for c, bound in result["projected"].items()) + ".")
     return "\n".join(lines) + "\n"
 
 
