@@ -8,8 +8,10 @@ import json
 import os
 import stat
 import sys
+import tempfile
 import textwrap
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -211,8 +213,11 @@ def test_a_server_run_end_to_end(fake_server, tmp_path):
 
 def test_a_dying_server_is_a_failure_with_its_log(fake_server, monkeypatch, tmp_path):
     monkeypatch.setenv("FAKE_DIE", "1")
+    logs = lambda: set(Path(tempfile.gettempdir()).glob("pacer-llama-server-*"))  # noqa: E731
+    before = logs()
     with pytest.raises(LlamaCppFailed, match="(?s)exited while loading, exit code 132.*illegal instruction"):
         LlamaServerRunner(tmp_path / "t.gguf", 64)
+    assert logs() == before  # its log read into the message, then removed
 
 
 @pytest.fixture(scope="module")

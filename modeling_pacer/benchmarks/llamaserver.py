@@ -191,7 +191,11 @@ class LlamaServerRunner:
                                  speculation)
         self._process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self.last: dict = {}
-        self._wait_ready(startup_seconds)
+        try:
+            self._wait_ready(startup_seconds)
+        except BaseException:
+            self.close()
+            raise
 
     def _url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}{path}"
@@ -208,9 +212,7 @@ class LlamaServerRunner:
             except (urllib.error.URLError, OSError):
                 pass  # not listening yet, or loading (503)
             time.sleep(0.2)
-        message = self._death(f"did not answer within {seconds:.0f} s")
-        self.close()
-        raise LlamaCppFailed(message)
+        raise LlamaCppFailed(self._death(f"did not answer within {seconds:.0f} s"))
 
     def _death(self, how: str) -> str:
         code = self._process.poll()
