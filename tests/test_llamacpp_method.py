@@ -7,6 +7,7 @@ import inspect
 import json
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -362,3 +363,50 @@ def test_real_batched_run_on_the_default_target():
             engine.generate(torch.tensor([prompts[0]]), 4)
     finally:
         engine.close()
+
+
+def test_llama_costs_refused_without_the_library_before_any_work(no_llama_cpp, capsys, tmp_path):
+    from modeling_pacer.benchmarks import cli
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["llama-costs", "--out", str(tmp_path / "out")])
+    assert exit_info.value.code == 2 and 'pip install -e ".[llamacpp]"' in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_llama_costs_writes_each_gguf_curve_with_its_ratios(fake_llama_cpp, monkeypatch, tmp_path):
+    """`pacer-bench llama-costs`: the target's and the draft's GGUF timed (here a stand-in for the timing), the table
+    in ms with each size's ratio to one token."""
+    from modeling_pacer.benchmarks import cli
+
+    timed = []
+
+    def fake_costs(path, sizes, n_threads=None, prefix=128, repeats=5):
+        timed.append((Path(path).name, tuple(sizes), repeats))
+        return {n: 0.010 * (1 + 0.5 * (n - 1)) for n in sizes}
+
+    monkeypatch.setattr(llamacpp, "llama_cpp_costs", fake_costs)
+    monkeypatch.setattr(llamacpp, "target_gguf", lambda source, pacer_cache=None, pair_name=None: tmp_path / "t.gguf")
+    monkeypatch.setattr("modeling_pacer.pairs.gguf.source_gguf",
+                        lambda source, pacer_cache=None, pair_name=None: tmp_path / "d.gguf")
+    monkeypatch.setattr(llamacpp, "check_target_args", lambda args, draft=False: None)
+    assert cli.main(["llama-costs", "--sizes", "1", "4", "--repeats", "2", "--out", str(tmp_path / "out")]) == 0
+    assert timed == [("t.gguf", (1, 4), 2), ("d.gguf", (1, 4), 2)]
+    table = (tmp_path / "out" / "llama-costs.md").read_text()
+    assert "| target (t.gguf) | 10.0 (1.00x) | 25.0 (2.50x) |" in table and "| draft (d.gguf) |" in table
+    saved = json.loads((tmp_path / "out" / "llama-costs.json").read_text())
+    assert saved["curves"]["target"]["4"] == pytest.approx(0.025)
+
+
+def test_llama_cpp_costs_refuses_sizes_that_cannot_be_timed(fake_llama_cpp):
+    with pytest.raises(ValueError, match="must be positive"):
+        llamacpp.llama_cpp_costs("x.gguf", sizes=(0, 2))
+    with pytest.raises(ValueError, match="must be positive"):
+        llamacpp.llama_cpp_costs("x.gguf", repeats=0)
+
+
+@pytest.mark.skipif(not REAL_GGUF.is_file(), reason=f"the default pair's GGUF is not at {REAL_GGUF}")
+def test_real_llama_cpp_costs_on_the_default_target():
+    pytest.importorskip("llama_cpp")
+    curve = llamacpp.llama_cpp_costs(REAL_GGUF, sizes=(1, 2), n_threads=2, prefix=16, repeats=1)
+    assert set(curve) == {1, 2} and all(seconds > 0 for seconds in curve.values())

@@ -40,7 +40,7 @@ LLAMA_CPP_METHODS = ("llama.cpp", "llama.cpp-lookup", "llama.cpp-server", "llama
 QUICK_METHODS = ["target", "hf-assisted", "fixed-4", "svip", "specdec++", "pacer"]
 QUICK_NEW_TOKENS = 96
 COMMANDS = ("run", "replay", "merge", "breakdown", "paired", "costs", "agreement", "draft-agreement", "device", "space",
-            "kernel-rows", "batch", "overlap")
+            "kernel-rows", "batch", "overlap", "llama-costs")
 
 
 def _positive(text: str) -> int:
@@ -285,6 +285,14 @@ def build_parser() -> argparse.ArgumentParser:
     overlap.add_argument("--seconds", type=float, default=2.0, help="each case's timed loop, a round (default 2)")
     overlap.add_argument("--rounds", type=_positive, default=3, help="interleaved rounds; medians over them (default 3)")
     _add_output(overlap, "overlap-out")
+
+    llama_costs = sub.add_parser("llama-costs", help="llama.cpp's cost curve (llama-cpp-python) on the pair's GGUF files: "
+                                 "a forward of n tokens after a cached prefix, as `costs` measures torch's")
+    add_pair_arguments(llama_costs)
+    llama_costs.add_argument("--sizes", type=_positive, nargs="+", default=[1, 2, 4, 8, 16], help="the n measured")
+    llama_costs.add_argument("--repeats", type=_positive, default=5, help="interleaved rounds; medians over them")
+    llama_costs.add_argument("--threads", type=_positive, help="llama.cpp's threads (default: torch's count)")
+    _add_output(llama_costs, "llama-costs-out")
     return p
 
 
@@ -386,6 +394,11 @@ def validate(args) -> None:
                     resolve_dtype(dtype)
             except ValueError as error:
                 raise ValueError(f"--dtypes: {error} (or one of {sorted(TARGET_QUANTIZATIONS)})") from None
+    if args.command == "llama-costs":  # the library and the target's GGUF file, before anything is timed
+        from .llamacpp import check_target_args, require_llama_cpp
+
+        require_llama_cpp()
+        check_target_args(args)
     if args.command == "overlap":
         import os
 
@@ -1020,6 +1033,36 @@ def run_batch(args) -> dict:
     return result
 
 
+def _run_llama_costs(args) -> dict:
+    """llama.cpp's curve for the target's GGUF and, where it is one, the draft's: llama-costs.json and .md."""
+    from modeling_pacer.pairs.gguf import source_gguf
+    from modeling_pacer.pairs.loading import resolve_pair
+    from modeling_pacer.pairs.registry import DEFAULT_PAIR
+
+    from .llamacpp import llama_cpp_costs, target_gguf
+
+    spec = resolve_pair(args.target or args.pair or DEFAULT_PAIR, args.draft)
+    files = {"target": target_gguf(spec.target, pair_name=spec.name),
+             "draft": source_gguf(spec.draft, pair_name=spec.name)}
+    curves = {role: llama_cpp_costs(path, args.sizes, args.threads, repeats=args.repeats)
+              for role, path in files.items() if path is not None}
+    meta = run_meta(args.argv, files={role: Path(p).name for role, p in files.items() if p is not None},
+                    threads=args.threads or torch.get_num_threads())
+    lines = ["| model | " + " | ".join(f"{n} tokens (ms, x one)" for n in args.sizes) + " |",
+             "|---|" + "---|" * len(args.sizes)]
+    for role, curve in curves.items():
+        lines.append(f"| {role} ({meta['files'][role]}) | " + " | ".join(
+            f"{1000 * curve[n]:.1f} ({curve[n] / curve[min(curve)]:.2f}x)" for n in sorted(curve)) + " |")
+    table = "\n".join(lines) + "\n"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "llama-costs.json").write_text(json.dumps(dict(curves=curves, meta=meta), indent=1))
+    (out / "llama-costs.md").write_text(f"Command: `{meta['command']}`\n\n" + table)
+    result = dict(table=table, files=[out / "llama-costs.json", out / "llama-costs.md"])
+    _print_result(result)
+    return result
+
+
 def _run_overlap(args) -> dict:
     from .overlap import run_overlap
 
@@ -1039,7 +1082,7 @@ def main(argv=None) -> int:
     result = {"run": run, "replay": run_replay, "merge": run_merge, "breakdown": run_breakdown, "paired": run_paired, "costs": run_costs,
               "agreement": run_agreement, "draft-agreement": run_draft_agreement, "device": _run_device,
               "space": _run_space, "kernel-rows": _run_kernel_rows, "batch": run_batch,
-              "overlap": _run_overlap}[args.command](args)
+              "overlap": _run_overlap, "llama-costs": _run_llama_costs}[args.command](args)
     lost = [r for r in result.get("summary", []) if r.get("dataset") == "all" and r.get("mismatches")]
     if lost:  # the report is written, but a method that changed the target's output is a failure
         print(f"pacer-bench: NOT LOSSLESS: {[r['method'] for r in lost]} changed the target's output", file=sys.stderr)

@@ -188,6 +188,78 @@ def _serve_batched(connection, model_path: str, n_ctx: int, n_threads: int, sequ
         connection.send(("tokens", rows))
 
 
+def _time_rows(connection, model_path: str, n_threads: int, sizes: list[int], prefix: int, repeats: int) -> None:
+    """The child process of [`llama_cpp_costs`]: llama.cpp's forward of n tokens (every row's logits, as a verification
+    reads them) after a cached `prefix`-token prefix, for each n of `sizes`, in `repeats` interleaved rounds after a
+    warm-up round; sends `{n: [seconds, ...]}`."""
+    import logging
+    import time
+
+    llama_cpp = require_llama_cpp()
+    logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
+    llama_cpp.llama_backend_init()
+    model = llama_cpp.llama_model_load_from_file(model_path.encode(), llama_cpp.llama_model_default_params())
+    if not model:
+        raise RuntimeError(f"llama.cpp could not load {model_path}")
+    params = llama_cpp.llama_context_default_params()
+    params.n_ctx = params.n_batch = prefix + max(sizes) + 1
+    params.n_threads = params.n_threads_batch = n_threads
+    context = llama_cpp.llama_init_from_model(model, params)
+    n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
+    batch = llama_cpp.llama_batch_init(params.n_batch, 0, 1)
+    memory = llama_cpp.llama_get_memory(context)
+
+    def decode(tokens, start, all_logits):
+        batch.n_tokens = len(tokens)
+        for i, token in enumerate(tokens):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.seq_id[i][0] = token, start + i, 1, 0
+            batch.logits[i] = all_logits or i == len(tokens) - 1
+        if llama_cpp.llama_decode(context, batch) != 0:
+            raise RuntimeError(f"llama_decode failed on {len(tokens)} tokens")
+
+    ids = [i * 7919 % n_vocab for i in range(prefix + max(sizes))]  # fixed ids: only time is measured
+    decode(ids[:prefix], 0, False)
+    times = {n: [] for n in sizes}
+    for round_ in range(repeats + 1):
+        for n in sizes:
+            llama_cpp.llama_memory_seq_rm(memory, 0, prefix, -1)  # back to the prefix
+            start = time.perf_counter()
+            decode(ids[prefix:prefix + n], prefix, True)
+            if round_:
+                times[n].append(time.perf_counter() - start)
+    connection.send(("times", times))
+
+
+def llama_cpp_costs(model_path, sizes=(1, 2, 4, 8, 16), n_threads: int | None = None, prefix: int = 128,
+                    repeats: int = 5) -> dict[int, float]:
+    """llama.cpp's cost curve for a GGUF file, as [`modeling_pacer.costs.measure_costs`] measures torch's: the median
+    seconds of a forward of n tokens after a cached `prefix`-token prefix, for each n of `sizes` (interleaved rounds),
+    in a child process (a crash of the native code is a [`LlamaCppFailed`])."""
+    import multiprocessing
+    import statistics
+
+    require_llama_cpp()
+    sizes = sorted(set(int(n) for n in sizes))
+    if not sizes or sizes[0] < 1 or repeats < 1 or prefix < 1:
+        raise ValueError(f"llama_cpp_costs: sizes, prefix and repeats must be positive, got {sizes}, {prefix}, {repeats}")
+    context = multiprocessing.get_context("spawn")
+    parent, child = context.Pipe()
+    process = context.Process(target=_time_rows, args=(child, str(model_path), n_threads or torch.get_num_threads(),
+                                                        sizes, prefix, repeats), daemon=True)
+    process.start()
+    child.close()
+    try:
+        kind, times = parent.recv()
+    except EOFError:
+        process.join(timeout=10)
+        raise LlamaCppFailed(f"llama.cpp's process died timing {Path(model_path).name} (exit code {process.exitcode})") from None
+    finally:
+        process.join(timeout=10)
+        if process.is_alive():
+            process.kill()
+    return {n: statistics.median(v) for n, v in times.items()}
+
+
 class LlamaCppRunner:
     """One `llama_cpp.Llama` on a GGUF file, loaded once (outside every timed region) in a child process,
     decoding greedily; with `sequences`, a batched context of that many sequences instead ([`generate_rows`]).
