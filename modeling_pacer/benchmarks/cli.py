@@ -31,10 +31,6 @@ from modeling_pacer.resources import ensure_writable_folder, portable_path
 
 from .provenance import run_meta
 
-# the methods that run llama.cpp (greedy only)
-LLAMA_CPP_METHODS = ("llama.cpp", "llama.cpp-lookup", "llama.cpp-server", "llama.cpp-speculative",
-                     "llama.cpp-speculative-tuned")
-
 # `--quick`: the 30-prompt benchmark's methods and length on its first prompt of each dataset, the shortest run
 # that reproduced that benchmark's ranking (at 32 tokens the prompt's prefill, the same for every method, hides it)
 QUICK_METHODS = ["target", "hf-assisted", "fixed-4", "svip", "specdec++", "pacer"]
@@ -350,8 +346,9 @@ def validate(args) -> None:
     head = getattr(args, "head", None)  # run, replay, costs
     if head is not None and not Path(head).exists() and not re.fullmatch(r"[\w.-]+/[\w.-]+", head):
         raise ValueError(f"--head {head}: no such folder, and not a Hub repo id (org/name).")
+    llama_cpp_methods = [name for name, m in all_methods().items() if m.family in LLAMA_CPP]  # greedy only
     if args.command == "run" and args.do_sample and any(fnmatch.fnmatchcase(name, m) for m in args.methods or []
-                                                         for name in LLAMA_CPP_METHODS):
+                                                         for name in llama_cpp_methods):
         # before the methods are resolved: resolving llama.cpp first asks for its library
         raise ValueError("--do-sample: the llama.cpp methods run greedy decoding only; leave them out of --methods.")
     if args.command in ("run", "replay"):

@@ -130,16 +130,11 @@ def _serve(connection, model_path: str, n_ctx: int, n_threads: int, lookup: int 
         connection.send(("tokens", new))
 
 
-def _serve_batched(connection, model_path: str, n_ctx: int, n_threads: int, sequences: int, kv_unified: bool) -> None:
-    """The child process of a batched runner: llama.cpp's batched decoding as its server decodes parallel slots (and
-    its `batched` and `parallel` examples): one context of `sequences` sequences, `n_ctx` positions of the KV cache
-    each, in one buffer where `kv_unified` (as llama-server's automatic slots run), else a buffer a sequence; a
-    request's prompts read in one `llama_decode` (each row its own sequence id and positions), then every unfinished
-    row's next token in one `llama_decode` a step, greedy (the argmax of the row's logits, as llama.cpp's greedy
-    sampler takes)."""
+def _c_context(model_path: str, positions: int, n_threads: int, sequences: int = 1, kv_unified: bool = True):
+    """llama.cpp through its C API (llama-cpp-python's bindings), for a child process: the GGUF at `model_path` loaded,
+    one context of `positions` KV positions for `sequences` sequences (one buffer where `kv_unified`), any call of up
+    to `positions` tokens in one batch, `n_threads` threads. Returns `(llama_cpp, context, n_vocab, batch, memory)`."""
     import logging
-
-    import numpy as np
 
     llama_cpp = require_llama_cpp()
     logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # llama.cpp's load log, as Llama(verbose=False)
@@ -148,15 +143,28 @@ def _serve_batched(connection, model_path: str, n_ctx: int, n_threads: int, sequ
     if not model:
         raise RuntimeError(f"llama.cpp could not load {model_path}")
     params = llama_cpp.llama_context_default_params()
-    params.n_ctx = params.n_batch = n_ctx * sequences  # every row's whole prompt in one call
+    params.n_ctx = params.n_batch = positions
     params.n_seq_max, params.kv_unified = sequences, kv_unified
     params.n_threads = params.n_threads_batch = n_threads
     context = llama_cpp.llama_init_from_model(model, params)
     if not context:
-        raise RuntimeError(f"llama.cpp could not make a context of {sequences} sequences of {n_ctx} positions")
+        raise RuntimeError(f"llama.cpp could not make a context of {sequences} sequences, {positions} positions")
     n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
-    batch = llama_cpp.llama_batch_init(params.n_batch, 0, 1)
-    memory = llama_cpp.llama_get_memory(context)
+    return llama_cpp, context, n_vocab, llama_cpp.llama_batch_init(positions, 0, 1), llama_cpp.llama_get_memory(context)
+
+
+def _serve_batched(connection, model_path: str, n_ctx: int, n_threads: int, sequences: int, kv_unified: bool) -> None:
+    """The child process of a batched runner: llama.cpp's batched decoding as its server decodes parallel slots (and
+    its `batched` and `parallel` examples): one context of `sequences` sequences, `n_ctx` positions of the KV cache
+    each, in one buffer where `kv_unified` (as llama-server's automatic slots run), else a buffer a sequence; a
+    request's prompts read in one `llama_decode` (each row its own sequence id and positions), then every unfinished
+    row's next token in one `llama_decode` a step, greedy (the argmax of the row's logits, as llama.cpp's greedy
+    sampler takes)."""
+    import numpy as np
+
+    # every row's whole prompt in one call
+    llama_cpp, context, n_vocab, batch, memory = _c_context(model_path, n_ctx * sequences, n_threads, sequences,
+                                                            kv_unified)
     connection.send(("ready", n_ctx))
     while True:
         request = connection.recv()
@@ -192,22 +200,9 @@ def _time_rows(connection, model_path: str, n_threads: int, sizes: list[int], pr
     """The child process of [`llama_cpp_costs`]: llama.cpp's forward of n tokens (every row's logits, as a verification
     reads them) after a cached `prefix`-token prefix, for each n of `sizes`, in `repeats` interleaved rounds after a
     warm-up round; sends `{n: [seconds, ...]}`."""
-    import logging
     import time
 
-    llama_cpp = require_llama_cpp()
-    logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
-    llama_cpp.llama_backend_init()
-    model = llama_cpp.llama_model_load_from_file(model_path.encode(), llama_cpp.llama_model_default_params())
-    if not model:
-        raise RuntimeError(f"llama.cpp could not load {model_path}")
-    params = llama_cpp.llama_context_default_params()
-    params.n_ctx = params.n_batch = prefix + max(sizes) + 1
-    params.n_threads = params.n_threads_batch = n_threads
-    context = llama_cpp.llama_init_from_model(model, params)
-    n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
-    batch = llama_cpp.llama_batch_init(params.n_batch, 0, 1)
-    memory = llama_cpp.llama_get_memory(context)
+    llama_cpp, context, n_vocab, batch, memory = _c_context(model_path, prefix + max(sizes) + 1, n_threads)
 
     def decode(tokens, start, all_logits):
         batch.n_tokens = len(tokens)
@@ -249,7 +244,7 @@ def llama_cpp_costs(model_path, sizes=(1, 2, 4, 8, 16), n_threads: int | None = 
     process.start()
     child.close()
     try:
-        kind, times = parent.recv()
+        _, times = parent.recv()
     except EOFError:
         process.join(timeout=10)
         raise LlamaCppFailed(f"llama.cpp's process died timing {Path(model_path).name} (exit code {process.exitcode})") from None
